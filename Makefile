@@ -1,0 +1,28 @@
+# Set-up is part of every target: a fresh clone needs only `make test` or `make demo`.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU build of torch, pinned so that installs stay small and fast; override with
+#   make test TORCH_SPEC='torch==2.14.1'
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
