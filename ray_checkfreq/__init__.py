@@ -1,1 +1,26 @@
+"""ray_checkfreq: fine-grained, crash-consistent checkpointing for PyTorch on Ray Train.
 
+The public API is what this module lists in ``__all__``; everything else is internal.
+"""
+
+from ray_checkfreq.errors import (
+    CheckFreqError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsupportedStateError,
+)
+from ray_checkfreq.storage import CheckpointRef, CheckpointStore, S3Options
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckFreqError",
+    "CheckpointNotFoundError",
+    "CheckpointRef",
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "S3Options",
+    "StorageError",
+    "UnsupportedStateError",
+]

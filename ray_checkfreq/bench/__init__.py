@@ -1,0 +1,11 @@
+"""Benchmarks behind ``ray-checkfreq bench NAME``.
+
+Each module here named in ``BENCHMARKS`` exposes ``add_arguments(parser)`` and
+``run(args) -> int``; it prints a table and, with ``--json OUT``, writes its figures.
+"""
+
+BENCHMARKS = {
+    "store": "ray_checkfreq.bench.store",
+    "codec": "ray_checkfreq.bench.codec",
+    "iterator": "ray_checkfreq.bench.iterator",
+}

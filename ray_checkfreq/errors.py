@@ -1,0 +1,51 @@
+"""Exceptions shared by every layer.
+
+Every exception keeps its constructor arguments in ``args`` so that it pickles and
+can cross a Ray actor boundary unchanged.
+"""
+
+from __future__ import annotations
+
+
+class CheckFreqError(Exception):
+    """Base class of every error raised by ray_checkfreq."""
+
+
+class UnsupportedStateError(CheckFreqError, TypeError):
+    """A value in the state to checkpoint cannot be stored; names its key path."""
+
+    def __init__(self, key_path: str, reason: str) -> None:
+        super().__init__(key_path, reason)
+        self.key_path = key_path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot checkpoint state at {self.key_path!r}: {self.reason}"
+
+
+class CorruptCheckpointError(CheckFreqError):
+    """A stored checkpoint failed verification; names the file and the fault."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        super().__init__(location, reason)
+        self.location = location
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.reason}"
+
+
+class CheckpointNotFoundError(CheckFreqError, LookupError):
+    """No committed checkpoint matches the request."""
+
+
+class StorageError(CheckFreqError):
+    """Storage refused an operation (missing bucket, bad credentials, full disk, ...)."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        super().__init__(location, reason)
+        self.location = location
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.reason}"

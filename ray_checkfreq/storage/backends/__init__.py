@@ -1,0 +1,48 @@
+"""Pick a storage backend from a URI."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.s3 import S3Options
+
+
+def open_backend(uri: str, *, filesystem: Any = None, s3: S3Options | None = None) -> Backend:
+    """A plain path or ``file://`` -> POSIX; ``s3://`` -> boto3; else ``pyarrow.fs``.
+
+    With ``filesystem`` (a ``pyarrow.fs.FileSystem``), ``uri`` is a path on it.
+    """
+    if not isinstance(uri, str) or not uri:
+        raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
+    parsed = urlparse(uri)
+    if filesystem is not None:
+        from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
+
+        path = (parsed.netloc + parsed.path) if parsed.scheme else uri
+        return ArrowBackend(filesystem, path, root_uri=uri)
+    if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/")):
+        from ray_checkfreq.storage.backends.posix import PosixBackend
+
+        return PosixBackend(unquote(parsed.path) if parsed.scheme == "file" else uri)
+    if parsed.scheme == "s3":
+        from ray_checkfreq.storage.backends.s3 import S3Backend
+
+        return S3Backend(uri, s3)
+    return _arrow_from_uri(uri)
+
+
+def _arrow_from_uri(uri: str) -> Backend:
+    import pyarrow.fs
+
+    from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
+
+    try:
+        filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"storage URI {uri!r} is not understood by pyarrow.fs: {err}") from err
+    return ArrowBackend(filesystem, path, root_uri=uri)
+
+
+__all__ = ["Backend", "S3Options", "open_backend"]

@@ -1,0 +1,98 @@
+"""Any pyarrow.fs filesystem (``gs://``, ``hdfs://``, an ``S3FileSystem`` you built).
+
+Object stores (S3, GCS) make an object visible only when its upload completes, so the
+manifest is written in place; other filesystems get a temporary name and a move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ray_checkfreq.errors import StorageError
+from ray_checkfreq.storage.backends.base import Backend
+
+_OBJECT_STORES = frozenset({"s3", "gcs"})
+
+
+class ArrowBackend(Backend):
+    def __init__(self, filesystem: Any, root: str, root_uri: str | None = None) -> None:
+        self.fs = filesystem
+        self.root = root.rstrip("/")
+        self.root_uri = root_uri or f"{filesystem.type_name}://{self.root}"
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _infos(self, rel_dir: str) -> list:
+        from pyarrow import fs as pafs
+
+        selector = pafs.FileSelector(self._path(rel_dir), allow_not_found=True, recursive=False)
+        try:
+            return self.fs.get_file_info(selector)
+        except OSError as err:
+            raise StorageError(self.uri(rel_dir), f"cannot list: {err}") from err
+
+    def list_dirs(self) -> list[str]:
+        from pyarrow import fs as pafs
+
+        return [i.base_name for i in self._infos("") if i.type == pafs.FileType.Directory]
+
+    def list_files(self, rel_dir: str) -> dict[str, int]:
+        from pyarrow import fs as pafs
+
+        return {i.base_name: i.size for i in self._infos(rel_dir) if i.type == pafs.FileType.File}
+
+    def make_dir(self, rel_dir: str) -> None:
+        try:
+            self.fs.create_dir(self._path(rel_dir), recursive=True)
+        except OSError as err:
+            raise StorageError(self.uri(rel_dir), f"cannot create directory: {err}") from err
+
+    def write(self, rel_path: str, chunks: Sequence[Any]) -> None:
+        try:
+            with self.fs.open_output_stream(self._path(rel_path)) as out:
+                for chunk in chunks:
+                    out.write(memoryview(chunk).cast("B"))
+        except OSError as err:
+            raise StorageError(self.uri(rel_path), f"write failed: {err}") from err
+
+    def write_atomic(self, rel_path: str, data: bytes) -> None:
+        if self.fs.type_name in _OBJECT_STORES:
+            self.write(rel_path, [data])
+            return
+        tmp = rel_path + ".tmp"
+        self.write(tmp, [data])
+        try:
+            self.fs.move(self._path(tmp), self._path(rel_path))
+        except OSError as err:
+            raise StorageError(self.uri(rel_path), f"commit failed: {err}") from err
+
+    def read(self, rel_path: str) -> bytearray:
+        try:
+            with self.fs.open_input_file(self._path(rel_path)) as f:
+                buffer = bytearray(f.size())
+                f.readinto(buffer)
+                return buffer
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+                raise FileNotFoundError(self.uri(rel_path)) from err
+            raise StorageError(self.uri(rel_path), f"read failed: {err}") from err
+
+    def delete_dir(self, rel_dir: str) -> None:
+        try:
+            self.fs.delete_dir(self._path(rel_dir))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise StorageError(self.uri(rel_dir), f"delete failed: {err}") from err
+
+    def delete_file(self, rel_path: str) -> None:
+        try:
+            self.fs.delete_file(self._path(rel_path))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise StorageError(self.uri(rel_path), f"delete failed: {err}") from err

@@ -1,0 +1,59 @@
+"""The storage plugin interface: a handful of file operations under one root.
+
+Paths are relative to the root and use "/". A backend translates its own failures
+into ``StorageError`` naming the file, and promises durability where it says so:
+``write`` returns only once the bytes are durable (fsync / completed upload), and
+``write_atomic`` makes a whole small file appear at once or not at all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+
+class Backend(ABC):
+    root_uri: str
+
+    def uri(self, rel: str) -> str:
+        return f"{self.root_uri.rstrip('/')}/{rel}" if rel else self.root_uri
+
+    @abstractmethod
+    def list_dirs(self) -> list[str]:
+        """Names of the directories (prefixes) directly under the root."""
+
+    @abstractmethod
+    def list_files(self, rel_dir: str) -> dict[str, int]:
+        """``{name: size_bytes}`` of the files directly in ``rel_dir`` ({} if none)."""
+
+    @abstractmethod
+    def make_dir(self, rel_dir: str) -> None:
+        """Create ``rel_dir`` (durably where directories exist)."""
+
+    @abstractmethod
+    def write(self, rel_path: str, chunks: Sequence[Any]) -> None:
+        """Create a new file holding the concatenated chunks; durable on return."""
+
+    @abstractmethod
+    def write_atomic(self, rel_path: str, data: bytes) -> None:
+        """Make ``data`` appear at ``rel_path`` in one step; durable on return."""
+
+    @abstractmethod
+    def read(self, rel_path: str) -> bytearray:
+        """The whole file, in a writable buffer."""
+
+    @abstractmethod
+    def delete_dir(self, rel_dir: str) -> None:
+        """Remove a directory and everything in it; no error if it is gone."""
+
+    @abstractmethod
+    def delete_file(self, rel_path: str) -> None:
+        """Remove one file; no error if it is gone."""
+
+    def close(self) -> None:
+        """Release connections; the default has none."""
+
+
+def total_size(chunks: Sequence[Any]) -> int:
+    return sum(memoryview(c).nbytes for c in chunks)

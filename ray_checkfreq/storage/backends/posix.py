@@ -1,0 +1,133 @@
+"""Local (POSIX) storage: exclusive create, fsync, rename, directory fsync."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+from ray_checkfreq.errors import StorageError
+from ray_checkfreq.storage.backends.base import Backend
+
+
+class PosixBackend(Backend):
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.root_uri = self.root
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.root, *rel.split("/")) if rel else self.root
+
+    def list_dirs(self) -> list[str]:
+        try:
+            with os.scandir(self.root) as entries:
+                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise _storage_error(self.root, "cannot list", err) from err
+
+    def list_files(self, rel_dir: str) -> dict[str, int]:
+        try:
+            with os.scandir(self._path(rel_dir)) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file(follow_symlinks=False)}
+        except FileNotFoundError:
+            return {}
+        except OSError as err:
+            raise _storage_error(self._path(rel_dir), "cannot list", err) from err
+
+    def make_dir(self, rel_dir: str) -> None:
+        path = self._path(rel_dir)
+        try:
+            os.makedirs(path, exist_ok=False)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as err:
+            raise _storage_error(path, "cannot create directory", err) from err
+
+    def write(self, rel_path: str, chunks: Sequence[Any]) -> None:
+        path = self._path(rel_path)
+        try:
+            # "x": a shard is always a new file, never an overwrite of committed data.
+            with open(path, "xb", buffering=0) as f:
+                for chunk in chunks:
+                    _write_all(f, chunk)
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise _storage_error(path, "write failed", err) from err
+
+    def write_atomic(self, rel_path: str, data: bytes) -> None:
+        path = self._path(rel_path)
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                _write_all(f, data)
+                os.fsync(f.fileno())
+            # Persist the shard entries before the rename can make them reachable.
+            _fsync_dir(os.path.dirname(path))
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as err:
+            _unlink_quietly(tmp)
+            raise _storage_error(path, "commit failed", err) from err
+
+    def read(self, rel_path: str) -> bytearray:
+        path = self._path(rel_path)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buffer = bytearray(size)
+                view = memoryview(buffer)
+                done = 0
+                while done < size:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+                return buffer if done == size else buffer[:done]
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise _storage_error(path, "read failed", err) from err
+
+    def delete_dir(self, rel_dir: str) -> None:
+        path = self._path(rel_dir)
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            _fsync_dir(os.path.dirname(path))
+        except OSError:
+            pass
+
+    def delete_file(self, rel_path: str) -> None:
+        _unlink_quietly(self._path(rel_path))
+
+
+def _write_all(f: Any, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = f.write(view)
+        view = view[written:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _storage_error(path: str, action: str, err: OSError) -> StorageError:
+    if err.errno == errno.ENOSPC:
+        return StorageError(path, f"{action}: no space left on device (ENOSPC)")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageError(path, f"{action}: permission denied ({err.strerror})")
+    return StorageError(path, f"{action}: {err.strerror or err}")

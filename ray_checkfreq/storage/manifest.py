@@ -1,0 +1,226 @@
+"""The checkpoint manifest: a JSON document that commits a checkpoint by existing.
+
+Pure logic, no I/O. ``encode_manifest`` adds a CRC32 of the canonical form of the
+document so that a flipped bit anywhere in it is caught; ``decode_manifest`` checks
+that CRC and every structural invariant before any shard is touched, so a bad
+manifest is refused with a message instead of steering reads out of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_checkfreq.storage.arrays import LeafSpec, numpy_dtype, torch_dtype
+from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs
+
+FORMAT_NAME = "ray_checkfreq.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "crc32"
+# Shard names are plain file names: nothing a manifest says can leave its directory.
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one array leaf lives and how to check it."""
+
+    key: str
+    spec: LeafSpec
+    codec: str
+    shard: str
+    offset: int
+    length: int
+    stored_crc32: int
+    raw_crc32: int
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    name: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    epoch_boundary: bool
+    created_unix_ns: int
+    shards: tuple[ShardEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    state: Any
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(shard.size_bytes for shard in self.shards)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    body = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": manifest.step,
+        "epoch_boundary": manifest.epoch_boundary,
+        "created_unix_ns": manifest.created_unix_ns,
+        "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "meta": manifest.meta,
+        "shards": [{"name": s.name, "size_bytes": s.size_bytes} for s in manifest.shards],
+        "tensors": [_tensor_json(t) for t in manifest.tensors],
+        "state": manifest.state,
+    }
+    body["manifest_crc32"] = _body_crc(body)
+    return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
+
+
+def _tensor_json(entry: TensorEntry) -> dict:
+    return {
+        "key": entry.key,
+        "kind": entry.spec.kind,
+        "dtype": entry.spec.dtype,
+        "shape": list(entry.spec.shape),
+        "codec": entry.codec,
+        "shard": entry.shard,
+        "offset": entry.offset,
+        "length": entry.length,
+        "stored_crc32": entry.stored_crc32,
+        "raw_crc32": entry.raw_crc32,
+    }
+
+
+def _body_crc(body: dict) -> int:
+    unsigned = {k: v for k, v in body.items() if k != "manifest_crc32"}
+    canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return zlib.crc32(canonical.encode("utf-8"))
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Parse and validate; raises ManifestError with the reason."""
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(f"not valid JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise ManifestError("top level is not a JSON object")
+    _check_format(body)
+    if body.get("manifest_crc32") != _body_crc(body):
+        raise ManifestError("manifest checksum mismatch (the file was altered or damaged)")
+    return _build_manifest(body)
+
+
+def _check_format(body: dict) -> None:
+    if body.get("format") != FORMAT_NAME:
+        raise ManifestError(f"not a ray_checkfreq manifest (format={body.get('format')!r})")
+    version = body.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"format version {version!r} is not supported (this ray_checkfreq reads {FORMAT_VERSION})"
+        )
+    if body.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
+        raise ManifestError(f"unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+
+
+def _build_manifest(body: dict) -> Manifest:
+    shards = tuple(_parse_shard(s) for s in _field(body, "shards", list))
+    shard_sizes = {s.name: s.size_bytes for s in shards}
+    if len(shard_sizes) != len(shards):
+        raise ManifestError("duplicate shard names")
+    tensors = tuple(_parse_tensor(t, shard_sizes) for t in _field(body, "tensors", list))
+    _check_refs(body.get("state"), tensors)
+    meta = _field(body, "meta", dict)
+    return Manifest(
+        step=_nonneg_int(body, "step"),
+        epoch_boundary=_field(body, "epoch_boundary", bool),
+        created_unix_ns=_nonneg_int(body, "created_unix_ns"),
+        shards=shards,
+        tensors=tensors,
+        state=body.get("state"),
+        meta=meta,
+    )
+
+
+def _parse_shard(raw: Any) -> ShardEntry:
+    if not isinstance(raw, dict):
+        raise ManifestError("shard entry is not an object")
+    name = _field(raw, "name", str)
+    if not _SHARD_NAME.match(name) or ".." in name:
+        raise ManifestError(f"shard name {name!r} is not a plain file name (escapes the checkpoint?)")
+    return ShardEntry(name=name, size_bytes=_nonneg_int(raw, "size_bytes"))
+
+
+def _parse_tensor(raw: Any, shard_sizes: dict[str, int]) -> TensorEntry:
+    if not isinstance(raw, dict):
+        raise ManifestError("tensor entry is not an object")
+    key = _field(raw, "key", str)
+    spec = _parse_spec(raw, key)
+    entry = TensorEntry(
+        key=key,
+        spec=spec,
+        codec=_field(raw, "codec", str),
+        shard=_field(raw, "shard", str),
+        offset=_nonneg_int(raw, "offset"),
+        length=_nonneg_int(raw, "length"),
+        stored_crc32=_nonneg_int(raw, "stored_crc32"),
+        raw_crc32=_nonneg_int(raw, "raw_crc32"),
+    )
+    if entry.shard not in shard_sizes:
+        raise ManifestError(f"tensor {key!r} refers to unlisted shard {entry.shard!r}")
+    if entry.offset + entry.length > shard_sizes[entry.shard]:
+        raise ManifestError(f"tensor {key!r} extends past the end of shard {entry.shard!r}")
+    if entry.codec == "raw" and entry.length != spec.nbytes:
+        raise ManifestError(f"tensor {key!r}: raw length {entry.length} != {spec.nbytes} for its shape")
+    return entry
+
+
+def _parse_spec(raw: dict, key: str) -> LeafSpec:
+    kind = _field(raw, "kind", str)
+    dtype = _field(raw, "dtype", str)
+    shape = _field(raw, "shape", list)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ManifestError(f"tensor {key!r}: bad shape {shape!r}")
+    try:
+        if kind == "torch":
+            torch_dtype(dtype)
+        elif kind == "numpy":
+            numpy_dtype(dtype)
+        else:
+            raise ValueError(f"unknown leaf kind {kind!r}")
+    except ValueError as err:
+        raise ManifestError(f"tensor {key!r}: {err}") from None
+    return LeafSpec(kind=kind, dtype=dtype, shape=tuple(shape))
+
+
+def _check_refs(state: Any, tensors: tuple[TensorEntry, ...]) -> None:
+    try:
+        refs = skeleton_leaf_refs(state)
+    except SkeletonError as err:
+        raise ManifestError(f"state skeleton: {err}") from None
+    indices = [index for _, index in refs]
+    if sorted(i for i in indices if isinstance(i, int)) != list(range(len(tensors))):
+        raise ManifestError("state skeleton does not reference every tensor exactly once")
+    for tag, index in refs:
+        if tag not in _LEAF_TAGS[tensors[index].spec.kind]:
+            raise ManifestError(f"tensor {tensors[index].key!r} referenced as {tag}")
+
+
+def _field(raw: dict, name: str, kind: type) -> Any:
+    value = raw.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ManifestError(f"field {name!r} missing or not {kind.__name__}")
+    return value
+
+
+def _nonneg_int(raw: dict, name: str) -> int:
+    value = _field(raw, name, int)
+    if value < 0:
+        raise ManifestError(f"field {name!r} is negative")
+    return value

@@ -1,0 +1,448 @@
+"""CheckpointStore: the one way ray_checkfreq reads and writes checkpoints.
+
+Layout under the root URI: one directory per checkpoint, ``step-<12 digits>-<8 hex>``,
+holding shard files and ``manifest.json``. Commit protocol (invariants):
+
+1. Shards are new files in a new directory (a random suffix, so a re-saved step never
+   touches the files of an earlier save of that step).
+2. The manifest is written last, after every shard is durable; a directory without a
+   manifest is not a checkpoint, and the next save deletes it.
+3. Retention runs only after the new manifest is durable, deletes a checkpoint's
+   manifest before its shards (an interrupted delete leaves an uncommitted directory,
+   never a committed one with holes), and stops counting at ``keep_last`` checkpoints
+   whose shards are all present at their recorded sizes, so the newest valid one is
+   never deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from ray_checkfreq.storage.arrays import leaf_bytes, leaf_from_buffer, leaf_spec
+from ray_checkfreq.storage.backends import S3Options, open_backend
+from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    TensorEntry,
+    decode_manifest,
+    encode_manifest,
+)
+from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
+
+logger = logging.getLogger("ray_checkfreq.storage")
+
+MiB = 1024 * 1024
+ALIGN_BYTES = 64
+_CHECKPOINT_DIR = re.compile(r"^step-(\d{12,})-([0-9a-f]{8})$")
+_ZEROS = bytes(ALIGN_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """How a CheckpointStore writes and what it keeps."""
+
+    keep_last: int = 2
+    keep_epoch_boundaries: bool = True
+    shard_size_bytes: int = 64 * MiB
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(f"keep_last={self.keep_last!r}: must be an int >= 1")
+        if not isinstance(self.shard_size_bytes, int) or self.shard_size_bytes < 1:
+            raise ValueError(f"shard_size_bytes={self.shard_size_bytes!r}: must be an int >= 1")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"io_threads={self.io_threads!r}: must be an int >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A committed checkpoint: what ``list()`` and ``latest()`` return."""
+
+    step: int
+    uri: str
+    epoch_boundary: bool
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    name: str = ""
+    created_unix_ns: int = 0
+    size_bytes: int = 0
+
+
+@dataclass
+class _Entry:
+    """One checkpoint directory as found on storage."""
+
+    name: str
+    step: int
+    files: dict[str, int]
+    manifest: Manifest | None = None
+    fault: CorruptCheckpointError | None = None
+
+    @property
+    def committed(self) -> bool:
+        return MANIFEST_NAME in self.files
+
+    def order_key(self) -> tuple:
+        created = self.manifest.created_unix_ns if self.manifest else 0
+        return (self.step, created, self.name)
+
+    def shards_present(self) -> bool:
+        assert self.manifest is not None
+        return all(self.files.get(s.name) == s.size_bytes for s in self.manifest.shards)
+
+
+class CheckpointStore:
+    """Crash-consistent checkpoints under one URI (path, ``file://``, ``s3://``, pyarrow.fs).
+
+    One process writes a given URI at a time (the rank that owns the state); any
+    number may read.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        keep_last: int = 2,
+        keep_epoch_boundaries: bool = True,
+        shard_size_bytes: int = 64 * MiB,
+        io_threads: int = 4,
+        filesystem: Any = None,
+        s3: S3Options | None = None,
+    ) -> None:
+        self.config = StoreConfig(
+            keep_last=keep_last,
+            keep_epoch_boundaries=keep_epoch_boundaries,
+            shard_size_bytes=shard_size_bytes,
+            io_threads=io_threads,
+        )
+        self._init_args = (uri, filesystem, s3)
+        self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3)
+        self.uri = self.backend.root_uri
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple:
+        uri, filesystem, s3 = self._init_args
+        kwargs = dict(vars(self.config), filesystem=filesystem, s3=s3)
+        return (_rebuild_store, (uri, kwargs))
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r}, keep_last={self.config.keep_last})"
+
+    # ------------------------------------------------------------------ writing
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        epoch_boundary: bool = False,
+        meta: dict | None = None,
+    ) -> CheckpointRef:
+        """Write ``state`` as the checkpoint of ``step``; returns once it is committed."""
+        _check_step(step)
+        meta = _checked_meta(meta)
+        flat = flatten_state(state)  # refuses bad state before any I/O
+        with self._lock:
+            self._delete_leftovers()
+            name = f"step-{step:012d}-{uuid.uuid4().hex[:8]}"
+            try:
+                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta)
+            except BaseException:
+                self._discard(name)
+                raise
+            self._apply_retention()
+        return self._ref(name, manifest)
+
+    def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict) -> Manifest:
+        self.backend.make_dir(name)
+        plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
+        with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-write") as pool:
+            results = list(pool.map(lambda item: self._write_shard(name, *item, flat), plan.items()))
+        tensors = sorted((t for entries, _ in results for t in entries), key=lambda t: t[0])
+        manifest = Manifest(
+            step=step,
+            epoch_boundary=bool(epoch_boundary),
+            created_unix_ns=time.time_ns(),
+            shards=tuple(shard for _, shard in results),
+            tensors=tuple(entry for _, entry in tensors),
+            state=flat.skeleton,
+            meta=meta,
+        )
+        self.backend.write_atomic(f"{name}/{MANIFEST_NAME}", encode_manifest(manifest))
+        return manifest
+
+    def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any) -> tuple:
+        chunks: list[Any] = []
+        entries = []
+        offset = 0
+        for index in indices:
+            data = leaf_bytes(flat.leaves[index])
+            crc = zlib.crc32(data)
+            entries.append((index, TensorEntry(
+                key=flat.key_paths[index], spec=leaf_spec(flat.leaves[index]), codec="raw",
+                shard=shard, offset=offset, length=data.nbytes, stored_crc32=crc, raw_crc32=crc,
+            )))
+            pad = -data.nbytes % ALIGN_BYTES
+            chunks += [data, _ZEROS[:pad]] if pad else [data]
+            offset += data.nbytes + pad
+        self.backend.write(f"{name}/{shard}", chunks)
+        return entries, ShardEntry(name=shard, size_bytes=offset)
+
+    def _discard(self, name: str) -> None:
+        try:
+            self.backend.delete_dir(name)
+        except Exception as err:  # the next save retries; the failure that got us here matters more
+            logger.warning("could not remove partial checkpoint %s: %s", self.backend.uri(name), err)
+
+    # ------------------------------------------------------------ housekeeping
+    def _delete_leftovers(self) -> None:
+        for entry in self._scan(read_manifests=False):
+            if not entry.committed:
+                logger.info("removing interrupted save %s", self.backend.uri(entry.name))
+                self.backend.delete_dir(entry.name)
+
+    def _apply_retention(self) -> None:
+        kept_valid = 0
+        for entry in reversed(self._committed()):
+            intact = entry.manifest is not None and entry.shards_present()
+            if kept_valid < self.config.keep_last:
+                kept_valid += intact
+                continue
+            if intact and self.config.keep_epoch_boundaries and entry.manifest.epoch_boundary:
+                continue
+            self._delete(entry.name)
+
+    def _delete(self, name: str) -> None:
+        # Uncommit first: an interrupted delete must not leave a manifest without shards.
+        self.backend.delete_file(f"{name}/{MANIFEST_NAME}")
+        self.backend.delete_dir(name)
+
+    def delete(self, ref_or_step: CheckpointRef | int) -> None:
+        """Delete one committed checkpoint (manifest first)."""
+        with self._lock:
+            self._delete(self._find(ref_or_step).name)
+
+    # ------------------------------------------------------------------ listing
+    def _scan(self, read_manifests: bool = True) -> list[_Entry]:
+        entries = []
+        for name in self.backend.list_dirs():
+            match = _CHECKPOINT_DIR.match(name)
+            if match:
+                entry = _Entry(name=name, step=int(match.group(1)), files=self.backend.list_files(name))
+                if read_manifests and entry.committed:
+                    self._read_manifest_into(entry)
+                entries.append(entry)
+        return entries
+
+    def _read_manifest_into(self, entry: _Entry) -> None:
+        location = self.backend.uri(f"{entry.name}/{MANIFEST_NAME}")
+        try:
+            entry.manifest = decode_manifest(bytes(self.backend.read(f"{entry.name}/{MANIFEST_NAME}")))
+            if entry.manifest.step != entry.step:
+                raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
+        except ManifestError as err:
+            entry.manifest = None
+            entry.fault = CorruptCheckpointError(location, str(err))
+        except FileNotFoundError:
+            entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
+
+    def _committed(self) -> list[_Entry]:
+        """Committed checkpoints, oldest first (by step, then commit time)."""
+        return sorted((e for e in self._scan() if e.committed), key=_Entry.order_key)
+
+    def list(self) -> list[CheckpointRef]:
+        """Committed checkpoints whose manifest is readable, oldest first."""
+        refs = []
+        for entry in self._committed():
+            if entry.manifest is None:
+                logger.warning("skipping checkpoint: %s", entry.fault)
+            else:
+                refs.append(self._ref(entry.name, entry.manifest))
+        return refs
+
+    def scan(self) -> list[tuple[CheckpointRef | None, str, CorruptCheckpointError | None]]:
+        """Every checkpoint directory: ``(ref or None, dir name, manifest fault)``, oldest first.
+
+        Includes uncommitted leftovers (ref None, fault None) and unreadable manifests.
+        """
+        rows = []
+        for entry in sorted(self._scan(), key=_Entry.order_key):
+            ref = self._ref(entry.name, entry.manifest) if entry.manifest else None
+            rows.append((ref, entry.name, entry.fault))
+        return rows
+
+    def latest(self) -> CheckpointRef | None:
+        """The newest checkpoint that verifies (reads and checks all of its bytes)."""
+        for ref in self._newest_first():
+            try:
+                self.verify(ref)
+                return ref
+            except CorruptCheckpointError as err:
+                logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
+        return None
+
+    def _newest_first(self) -> Iterator[CheckpointRef]:
+        return reversed(self.list())
+
+    def _ref(self, name: str, manifest: Manifest) -> CheckpointRef:
+        return CheckpointRef(
+            step=manifest.step,
+            uri=self.backend.uri(name),
+            epoch_boundary=manifest.epoch_boundary,
+            meta=manifest.meta,
+            name=name,
+            created_unix_ns=manifest.created_unix_ns,
+            size_bytes=manifest.size_bytes,
+        )
+
+    def _find(self, ref_or_step: CheckpointRef | int) -> CheckpointRef:
+        refs = self.list()
+        if isinstance(ref_or_step, CheckpointRef):
+            matches = [r for r in refs if r.name == ref_or_step.name]
+        elif isinstance(ref_or_step, int) and not isinstance(ref_or_step, bool):
+            matches = [r for r in refs if r.step == ref_or_step]
+        else:
+            raise TypeError(f"expected a CheckpointRef or a step number, got {ref_or_step!r}")
+        if not matches:
+            steps = [r.step for r in refs]
+            raise CheckpointNotFoundError(f"no committed checkpoint {ref_or_step!r} in {self.uri} (steps: {steps})")
+        return matches[-1]
+
+    # ------------------------------------------------------------------ reading
+    def load(self, ref_or_step: CheckpointRef | int | None = None) -> dict:
+        """The state of a checkpoint; ``None`` = newest valid one, falling back past faults.
+
+        Every byte is checked against the manifest's checksums as it is read; a
+        checkpoint asked for by ref or step is not substituted when it is corrupt.
+        """
+        if ref_or_step is not None:
+            return self._read(self._find(ref_or_step), build=True)
+        faults = []
+        for ref in self._newest_first():
+            try:
+                return self._read(ref, build=True)
+            except CorruptCheckpointError as err:
+                logger.warning("checkpoint %s is corrupt, falling back: %s", ref.uri, err)
+                faults.append(str(err))
+        detail = f"; faults: {faults}" if faults else ""
+        raise CheckpointNotFoundError(f"no valid checkpoint in {self.uri}{detail}")
+
+    def verify(self, ref_or_step: CheckpointRef | int) -> None:
+        """Raise CorruptCheckpointError naming the file unless every byte checks out."""
+        ref = ref_or_step if isinstance(ref_or_step, CheckpointRef) else self._find(ref_or_step)
+        self._read(ref, build=False)
+
+    def _read(self, ref: CheckpointRef, *, build: bool) -> Any:
+        manifest = self._load_manifest(ref)
+        files = self.backend.list_files(ref.name)
+        for shard in manifest.shards:
+            self._check_shard_file(ref, shard, files)
+        by_shard: dict[str, list[int]] = {}
+        for index, tensor in enumerate(manifest.tensors):
+            by_shard.setdefault(tensor.shard, []).append(index)
+        leaves: list[Any] = [None] * len(manifest.tensors)
+        with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-read") as pool:
+            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build) for s, idx in by_shard.items()]
+            for job in jobs:
+                job.result()
+        if not build:
+            return None
+        try:
+            return unflatten_state(manifest.state, leaves)
+        except SkeletonError as err:
+            raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
+
+    def _manifest_uri(self, ref: CheckpointRef) -> str:
+        return self.backend.uri(f"{ref.name}/{MANIFEST_NAME}")
+
+    def _load_manifest(self, ref: CheckpointRef) -> Manifest:
+        location = self._manifest_uri(ref)
+        try:
+            return decode_manifest(bytes(self.backend.read(f"{ref.name}/{MANIFEST_NAME}")))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(location, "manifest is missing") from None
+        except ManifestError as err:
+            raise CorruptCheckpointError(location, str(err)) from None
+
+    def _check_shard_file(self, ref: CheckpointRef, shard: ShardEntry, files: dict[str, int]) -> None:
+        location = self.backend.uri(f"{ref.name}/{shard.name}")
+        if shard.name not in files:
+            raise CorruptCheckpointError(location, "shard file is missing")
+        if files[shard.name] != shard.size_bytes:
+            raise CorruptCheckpointError(
+                location, f"shard is {files[shard.name]} bytes, manifest says {shard.size_bytes} (truncated?)"
+            )
+
+    def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: list[int],
+                    leaves: list, build: bool) -> None:
+        location = self.backend.uri(f"{ref.name}/{shard}")
+        try:
+            buffer = self.backend.read(f"{ref.name}/{shard}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(location, "shard file is missing") from None
+        view = memoryview(buffer)
+        for index in indices:
+            entry = manifest.tensors[index]
+            if entry.codec != "raw":
+                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: unknown codec {entry.codec!r}")
+            if entry.offset + entry.length > len(buffer):
+                raise CorruptCheckpointError(location, f"tensor {entry.key!r} lies past the end of the shard")
+            crc = zlib.crc32(view[entry.offset:entry.offset + entry.length])
+            if crc != entry.stored_crc32:
+                raise CorruptCheckpointError(location, f"checksum mismatch in tensor {entry.key!r}")
+            if build:
+                leaves[index] = leaf_from_buffer(entry.spec, buffer, entry.offset)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _rebuild_store(uri: str, kwargs: dict) -> CheckpointStore:
+    return CheckpointStore(uri, **kwargs)
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}: must be an int >= 0")
+
+
+def _checked_meta(meta: dict | None) -> dict:
+    import json
+
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise UnsupportedStateError("meta", "meta must be a dict with str keys")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise UnsupportedStateError("meta", f"not JSON-serialisable: {err}") from None
+
+
+def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
+    """Greedy packing of leaves, in order, into shards of about ``shard_size_bytes``."""
+    plan: dict[str, list[int]] = {}
+    current: list[int] = []
+    size = 0
+    for index, leaf in enumerate(leaves):
+        nbytes = leaf_spec(leaf).nbytes
+        if current and size + nbytes > shard_size_bytes:
+            plan[f"shard-{len(plan):05d}.bin"] = current
+            current, size = [], 0
+        current.append(index)
+        size += nbytes + (-nbytes % ALIGN_BYTES)
+    if current or not plan:
+        plan[f"shard-{len(plan):05d}.bin"] = current
+    return plan
