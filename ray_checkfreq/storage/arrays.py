@@ -82,6 +82,8 @@ def leaf_bytes(leaf: Any) -> memoryview:
         tensor = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
         if tensor.numel() == 0:
             return memoryview(b"")
+        if tensor.stride(0) != 1:  # a one-element "contiguous" tensor may keep any stride
+            tensor = tensor.as_strided((tensor.numel(),), (1,))
         return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
     array = np.ascontiguousarray(leaf)
     return memoryview(array.reshape(-1).view(np.uint8)).cast("B")

@@ -78,7 +78,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "tensors": [_tensor_json(t) for t in manifest.tensors],
         "state": manifest.state,
     }
-    body["manifest_crc32"] = _body_crc(body)
+    body["manifest_crc32"] = body_checksum(body)
     return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
 
 
@@ -97,7 +97,7 @@ def _tensor_json(entry: TensorEntry) -> dict:
     }
 
 
-def _body_crc(body: dict) -> int:
+def body_checksum(body: dict) -> int:
     unsigned = {k: v for k, v in body.items() if k != "manifest_crc32"}
     canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return zlib.crc32(canonical.encode("utf-8"))
@@ -112,7 +112,7 @@ def decode_manifest(data: bytes) -> Manifest:
     if not isinstance(body, dict):
         raise ManifestError("top level is not a JSON object")
     _check_format(body)
-    if body.get("manifest_crc32") != _body_crc(body):
+    if body.get("manifest_crc32") != body_checksum(body):
         raise ManifestError("manifest checksum mismatch (the file was altered or damaged)")
     return _build_manifest(body)
 

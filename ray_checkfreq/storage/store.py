@@ -232,7 +232,14 @@ class CheckpointStore:
     def delete(self, ref_or_step: CheckpointRef | int) -> None:
         """Delete one committed checkpoint (manifest first)."""
         with self._lock:
-            self._delete(self._find(ref_or_step).name)
+            if isinstance(ref_or_step, CheckpointRef):
+                name = ref_or_step.name
+            else:
+                matches = [e.name for e in self._committed() if e.step == ref_or_step]
+                if not matches:
+                    raise CheckpointNotFoundError(f"no committed checkpoint for step {ref_or_step} in {self.uri}")
+                name = matches[-1]
+            self._delete(name)
 
     # ------------------------------------------------------------------ listing
     def _scan(self, read_manifests: bool = True) -> list[_Entry]:
@@ -308,17 +315,21 @@ class CheckpointStore:
         )
 
     def _find(self, ref_or_step: CheckpointRef | int) -> CheckpointRef:
-        refs = self.list()
+        """A ref is used as it is; a step resolves to its newest committed save."""
         if isinstance(ref_or_step, CheckpointRef):
-            matches = [r for r in refs if r.name == ref_or_step.name]
-        elif isinstance(ref_or_step, int) and not isinstance(ref_or_step, bool):
-            matches = [r for r in refs if r.step == ref_or_step]
-        else:
+            return ref_or_step
+        if isinstance(ref_or_step, bool) or not isinstance(ref_or_step, int):
             raise TypeError(f"expected a CheckpointRef or a step number, got {ref_or_step!r}")
+        entries = self._committed()
+        matches = [e for e in entries if e.step == ref_or_step]
         if not matches:
-            steps = [r.step for r in refs]
-            raise CheckpointNotFoundError(f"no committed checkpoint {ref_or_step!r} in {self.uri} (steps: {steps})")
-        return matches[-1]
+            steps = [e.step for e in entries]
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {ref_or_step} in {self.uri} (steps: {steps})")
+        entry = matches[-1]
+        if entry.manifest is None:
+            assert entry.fault is not None
+            raise entry.fault
+        return self._ref(entry.name, entry.manifest)
 
     # ------------------------------------------------------------------ reading
     def load(self, ref_or_step: CheckpointRef | int | None = None) -> dict:
@@ -341,8 +352,7 @@ class CheckpointStore:
 
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
         """Raise CorruptCheckpointError naming the file unless every byte checks out."""
-        ref = ref_or_step if isinstance(ref_or_step, CheckpointRef) else self._find(ref_or_step)
-        self._read(ref, build=False)
+        self._read(self._find(ref_or_step), build=False)
 
     def _read(self, ref: CheckpointRef, *, build: bool) -> Any:
         manifest = self._load_manifest(ref)

@@ -1,0 +1,140 @@
+"""``ray-checkfreq``: inspect, verify and export checkpoints; run the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Sequence
+
+from ray_checkfreq.bench import BENCHMARKS
+from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError
+from ray_checkfreq.storage import CheckpointStore
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the benchmark that runs is imported: some pull in Ray or DALI.
+    wanted = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
+    parser = _parser(wanted)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CheckFreqError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ray-checkfreq", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ls = sub.add_parser("ls", help="list the checkpoints under a URI")
+    ls.add_argument("uri")
+    ls.set_defaults(func=cmd_ls)
+
+    verify = sub.add_parser("verify", help="check every byte of checkpoints against their checksums")
+    verify.add_argument("uri")
+    verify.add_argument("--step", type=int, default=None, help="only this step (default: every checkpoint)")
+    verify.set_defaults(func=cmd_verify)
+
+    export = sub.add_parser("export", help="write one checkpoint as .safetensors or .pt")
+    export.add_argument("uri")
+    export.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
+    export.add_argument("--to", required=True, dest="target", help="FILE.safetensors or FILE.pt")
+    export.set_defaults(func=cmd_export)
+
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, module in BENCHMARKS.items():
+        bench_parser = bench_sub.add_parser(name)
+        bench_parser.set_defaults(func=_bench_runner(module))
+        if name == benchmark:
+            _bench_arguments(module, bench_parser)
+    return parser
+
+
+def _bench_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+    try:
+        importlib.import_module(module).add_arguments(parser)
+    except ImportError as err:
+        parser.set_defaults(bench_unavailable=str(err))
+
+
+def _bench_runner(module: str):
+    def run(args: argparse.Namespace) -> int:
+        if getattr(args, "bench_unavailable", None):
+            print(f"error: benchmark unavailable: {args.bench_unavailable}", file=sys.stderr)
+            return 1
+        return importlib.import_module(module).run(args)
+
+    return run
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = CheckpointStore(args.uri)
+    rows = store.scan()
+    if not rows:
+        print(f"no checkpoints in {store.uri}")
+        return 0
+    print(f"{'step':>10}  {'epoch':>5}  {'size':>10}  {'committed (UTC)':<19}  directory")
+    for ref, name, fault in rows:
+        if ref is not None:
+            when = datetime.fromtimestamp(ref.created_unix_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            flag = "yes" if ref.epoch_boundary else "-"
+            print(f"{ref.step:>10}  {flag:>5}  {_human(ref.size_bytes):>10}  {when:<19}  {name}")
+        else:
+            status = f"CORRUPT MANIFEST: {fault.reason}" if fault else "uncommitted (interrupted save)"
+            print(f"{'?':>10}  {'':>5}  {'':>10}  {'':<19}  {name}  [{status}]")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = CheckpointStore(args.uri)
+    failures = 0
+    if args.step is not None:
+        targets = [args.step]
+    else:
+        targets = []
+        for ref, name, fault in store.scan():
+            if fault is not None:
+                print(f"FAULT {fault}")
+                failures += 1
+            elif ref is not None:
+                targets.append(ref)
+        if not targets and not failures:
+            print(f"error: no committed checkpoints in {store.uri}", file=sys.stderr)
+            return 1
+    for target in targets:
+        try:
+            store.verify(target)
+            print(f"ok    {getattr(target, 'uri', target)}")
+        except (CorruptCheckpointError, CheckpointNotFoundError) as err:
+            print(f"FAULT {err}")
+            failures += 1
+    return 1 if failures else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ray_checkfreq.storage.export import export_checkpoint
+
+    store = CheckpointStore(args.uri)
+    written = export_checkpoint(store, args.step, args.target)
+    print(f"wrote {written}")
+    return 0
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        size /= 1024
+    return f"{nbytes} B"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Export a checkpoint as a ``.safetensors`` file (flattened key paths) or a ``.pt`` state dict."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+
+from ray_checkfreq.storage.arrays import leaf_bytes
+from ray_checkfreq.storage.tree import flatten_state
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    getattr(torch, "uint16", None): "U16", getattr(torch, "uint32", None): "U32",
+    getattr(torch, "uint64", None): "U64",
+    getattr(torch, "float8_e4m3fn", None): "F8_E4M3", getattr(torch, "float8_e5m2", None): "F8_E5M2",
+    torch.complex64: "C64",
+}
+
+
+def export_checkpoint(store: Any, step: int | None, target: str) -> str:
+    """Write checkpoint ``step`` (None: newest valid) of ``store`` to ``target``."""
+    state = store.load(step)
+    if target.endswith(".safetensors"):
+        write_safetensors(state, target, metadata={"step": str(step) if step is not None else "latest"})
+    elif target.endswith(".pt"):
+        torch.save(state, target)
+    else:
+        raise ValueError(f"--to {target!r}: the file name must end in .safetensors or .pt")
+    return target
+
+
+def write_safetensors(state: dict, path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Tensors and numpy arrays under their key paths ("optimizer/state/0/exp_avg");
+    the JSON-able rest of the state goes to the metadata entry ``ray_checkfreq.state``."""
+    flat = flatten_state(state)
+    header: dict[str, Any] = {}
+    payload = []
+    offset = 0
+    for key, leaf in zip(flat.key_paths, flat.leaves):
+        tensor = torch.from_numpy(leaf) if not isinstance(leaf, torch.Tensor) else leaf
+        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise ValueError(f"{key}: dtype {tensor.dtype} has no safetensors equivalent; export to .pt")
+        data = leaf_bytes(tensor)
+        header[key] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
+        payload.append(data)
+        offset += data.nbytes
+    header["__metadata__"] = dict(metadata or {}, **{"ray_checkfreq.state": json.dumps(flat.skeleton)})
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for data in payload:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,272 @@
+"""CheckpointStore on local disk: round trips, commit protocol, retention, faults."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from ray_checkfreq import (
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    StorageError,
+    UnsupportedStateError,
+)
+from ray_checkfreq.storage.manifest import body_checksum
+from state_strategies import assert_same_state, states
+
+
+def training_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.default_rng(seed).bit_generator.state},
+        "iterator": {"epoch": 1, "consumed": 128},
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=states)
+def test_round_trip_is_bit_identical_for_any_nested_state(tmp_path_factory, state):
+    store = CheckpointStore(str(tmp_path_factory.mktemp("rt")), shard_size_bytes=64)
+    ref = store.save(7, state, meta={"note": "x"})
+    assert_same_state(state, store.load(ref))
+    assert_same_state(state, store.load())
+
+
+def test_training_state_restores_into_model_and_optimizer(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    state = training_state()
+    store.save(3, state)
+    loaded = store.load(3)
+    assert_same_state(state, loaded)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model.load_state_dict(loaded["model"])
+    opt = torch.optim.Adam(model.parameters())
+    opt.load_state_dict(loaded["optimizer"])
+    # int keys of the optimizer state survived: the moments are attached to the params
+    assert set(opt.state_dict()["state"]) == {0, 1, 2, 3, 4, 5}
+    assert isinstance(loaded["model"], OrderedDict) and hasattr(loaded["model"], "_metadata")
+
+
+def test_latest_is_none_on_an_empty_store_and_load_says_so(tmp_path):
+    store = CheckpointStore(str(tmp_path / "nothing"))
+    assert store.latest() is None and store.list() == []
+    with pytest.raises(CheckpointNotFoundError, match="no valid checkpoint"):
+        store.load()
+
+
+def test_file_uri_and_plain_path_are_the_same_store(tmp_path):
+    CheckpointStore(f"file://{tmp_path}").save(1, {"x": torch.arange(3)})
+    assert [r.step for r in CheckpointStore(str(tmp_path)).list()] == [1]
+
+
+def test_retention_keeps_newest_and_epoch_boundaries(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    for step in range(1, 8):
+        store.save(step, {"x": torch.full((4,), step)}, epoch_boundary=(step == 3))
+    assert [r.step for r in store.list()] == [3, 6, 7]
+    assert len(os.listdir(tmp_path)) == 3
+
+
+def test_retention_without_epoch_boundaries(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=1, keep_epoch_boundaries=False)
+    for step in range(1, 5):
+        store.save(step, {"x": torch.full((4,), step)}, epoch_boundary=True)
+    assert [r.step for r in store.list()] == [4]
+
+
+def test_retention_never_deletes_the_only_intact_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=1)
+    store.save(1, {"x": torch.ones(1000)})
+    original_write = store.backend.write
+
+    def torn_write(rel_path, chunks):  # the new checkpoint's shard lands short
+        original_write(rel_path, [bytes(memoryview(chunks[0])[:10])])
+
+    store.backend.write = torn_write
+    store.save(2, {"x": torch.ones(1000)})
+    store.backend.write = original_write
+    assert [r.step for r in store.list()] == [1, 2]
+    assert store.latest().step == 1
+
+
+def test_leftovers_of_an_interrupted_save_are_cleaned_on_the_next_save(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(1, {"x": torch.ones(3)})
+    leftover = tmp_path / "step-000000000002-deadbeef"
+    leftover.mkdir()
+    (leftover / "shard-00000.bin").write_bytes(b"partial")
+    assert [r.step for r in store.list()] == [1]  # no manifest: not a checkpoint
+    store.save(3, {"x": torch.ones(3)})
+    assert not leftover.exists()
+
+
+def test_resaving_a_step_writes_new_files_and_the_newest_wins(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=3)
+    first = store.save(5, {"x": torch.zeros(2)})
+    second = store.save(5, {"x": torch.ones(2)})
+    assert first.name != second.name
+    assert torch.equal(store.load(5)["x"], torch.ones(2))
+    assert store.latest() == second
+
+
+def _shard(tmp_path, ref) -> str:
+    return str(tmp_path / ref.name / "shard-00000.bin")
+
+
+def _two_checkpoints(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    good = store.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
+    bad = store.save(2, {"w": torch.arange(1000, dtype=torch.float32) * 2})
+    return store, good, bad
+
+
+def _flip_bit(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("truncate", "truncated"),
+        ("flip_shard", "checksum mismatch"),
+        ("delete_shard", "shard file is missing"),
+        ("flip_manifest", "manifest"),
+        ("future_version", "format version 99 is not supported"),
+        ("escape", "not a plain file name"),
+    ],
+)
+def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog, damage, reason):
+    store, good, bad = _two_checkpoints(tmp_path)
+    shard = _shard(tmp_path, bad)
+    manifest_path = tmp_path / bad.name / "manifest.json"
+    if damage == "truncate":
+        os.truncate(shard, 100)
+    elif damage == "flip_shard":
+        _flip_bit(shard, 2000)
+    elif damage == "delete_shard":
+        os.unlink(shard)
+    elif damage == "flip_manifest":
+        text = manifest_path.read_bytes()
+        _flip_bit(str(manifest_path), text.index(b'"length"') + 12)
+    else:
+        body = json.loads(manifest_path.read_text())
+        if damage == "future_version":
+            body["format_version"] = 99
+        else:
+            body["shards"][0]["name"] = "../../etc/passwd"
+            body["tensors"][0]["shard"] = "../../etc/passwd"
+            body["manifest_crc32"] = body_checksum(body)  # well-formed, but hostile
+        manifest_path.write_text(json.dumps(body))
+    caplog.set_level(logging.WARNING, logger="ray_checkfreq.storage")
+    assert store.latest() == good
+    assert bad.name in caplog.text and reason in caplog.text
+    assert torch.equal(store.load()["w"], torch.arange(1000, dtype=torch.float32))
+    with pytest.raises(CorruptCheckpointError, match=reason) as info:
+        store.verify(bad)
+    assert bad.name in str(info.value)
+    with pytest.raises(CorruptCheckpointError):
+        store.load(bad)  # asked for by name: never silently substituted
+
+
+def test_every_single_bit_flip_in_a_manifest_is_detected(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    ref = store.save(1, {"w": torch.ones(2), "lr": 0.1, "tag": "abc"}, meta={"k": 1})
+    path = tmp_path / ref.name / "manifest.json"
+    original = path.read_bytes()
+    for position in range(0, len(original), 7):
+        for bit in (0x01, 0x20, 0x80):
+            damaged = bytearray(original)
+            damaged[position] ^= bit
+            path.write_bytes(bytes(damaged))
+            with pytest.raises(CorruptCheckpointError):
+                store.verify(ref)
+    path.write_bytes(original)
+    store.verify(ref)
+
+
+@pytest.mark.parametrize(
+    "state, key_path",
+    [
+        ({"model": {"w": torch.ones(1)}, "opt": {"fn": print}}, "opt/fn"),
+        ({"a": [1, 2, object()]}, "a/2"),
+        ({"a": {(1, 2): 3}}, "a/(1, 2)"),
+        ({"a": np.array(["x"], dtype=object)}, "a"),
+        ({"a": torch.ones(2).to_sparse()}, "a"),
+        ({"a": {1, 2}}, "a"),
+    ],
+)
+def test_unsupported_state_is_refused_by_key_path_before_any_write(tmp_path, state, key_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(1, {"x": torch.ones(1)})
+    with pytest.raises(UnsupportedStateError) as info:
+        store.save(2, state)
+    assert info.value.key_path == key_path and repr(key_path) in str(info.value)
+    assert [r.step for r in store.list()] == [1]
+    assert len(os.listdir(tmp_path)) == 1
+
+
+def test_invalid_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointStore(str(tmp_path), keep_last=0)
+    store = CheckpointStore(str(tmp_path))
+    with pytest.raises(ValueError, match="step=-1"):
+        store.save(-1, {})
+    with pytest.raises(UnsupportedStateError, match="meta"):
+        store.save(1, {}, meta={"x": object()})
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a real ENOSPC. Mounting needs root (CI and the dev machines run as root)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tiny_disk):
+    store = CheckpointStore(str(tiny_disk))
+    store.save(1, {"w": torch.ones(1000)})
+    with pytest.raises(StorageError, match="no space left on device") as info:
+        store.save(2, {"w": torch.ones(1_000_000)})  # 4 MB into 2 MiB
+    assert str(tiny_disk) in str(info.value)
+    assert [r.step for r in store.list()] == [1]
+    assert len(os.listdir(tiny_disk)) == 1  # the partial directory is gone
+    assert torch.equal(store.load()["w"], torch.ones(1000))
+    store.save(3, {"w": torch.zeros(1000)})  # space was given back
+    assert store.latest().step == 3
+
+
+def test_store_pickles_for_ray_actors(tmp_path):
+    import pickle
+
+    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store.save(1, {"x": torch.ones(1)})
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.config.keep_last == 3 and [r.step for r in clone.list()] == [1]
