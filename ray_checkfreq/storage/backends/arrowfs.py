@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray_checkfreq.errors import StorageError
-from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 
 _OBJECT_STORES = frozenset({"s3", "gcs"})
 
@@ -68,10 +68,10 @@ class ArrowBackend(Backend):
         except OSError as err:
             raise StorageError(self.uri(rel_path), f"commit failed: {err}") from err
 
-    def read(self, rel_path: str) -> bytearray:
+    def read(self, rel_path: str) -> Any:
         try:
             with self.fs.open_input_file(self._path(rel_path)) as f:
-                buffer = bytearray(f.size())
+                buffer = uninitialized_buffer(f.size())
                 f.readinto(buffer)
                 return buffer
         except FileNotFoundError:

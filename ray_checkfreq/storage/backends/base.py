@@ -40,8 +40,8 @@ class Backend(ABC):
         """Make ``data`` appear at ``rel_path`` in one step; durable on return."""
 
     @abstractmethod
-    def read(self, rel_path: str) -> bytearray:
-        """The whole file, in a writable buffer."""
+    def read(self, rel_path: str) -> Any:
+        """The whole file, in a writable buffer (see ``uninitialized_buffer``)."""
 
     @abstractmethod
     def delete_dir(self, rel_dir: str) -> None:
@@ -55,5 +55,8 @@ class Backend(ABC):
         """Release connections; the default has none."""
 
 
-def total_size(chunks: Sequence[Any]) -> int:
-    return sum(memoryview(c).nbytes for c in chunks)
+def uninitialized_buffer(size: int) -> Any:
+    """A writable byte buffer without the zero-fill pass a bytearray costs."""
+    import numpy as np
+
+    return np.empty(size, dtype=np.uint8)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray_checkfreq.errors import StorageError
-from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 
 
 class PosixBackend(Backend):
@@ -72,12 +72,12 @@ class PosixBackend(Backend):
             _unlink_quietly(tmp)
             raise _storage_error(path, "commit failed", err) from err
 
-    def read(self, rel_path: str) -> bytearray:
+    def read(self, rel_path: str) -> Any:
         path = self._path(rel_path)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buffer = bytearray(size)
+                buffer = uninitialized_buffer(size)
                 view = memoryview(buffer)
                 done = 0
                 while done < size:

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ray_checkfreq.errors import StorageError
-from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 
 MiB = 1024 * 1024
 _RETRY_MODES = ("legacy", "standard", "adaptive")
@@ -135,7 +135,7 @@ class S3Backend(Backend):
         with _translated(self.uri(rel_path), "commit"):
             self.client.put_object(Bucket=self.bucket, Key=self._key(rel_path), Body=bytes(data))
 
-    def read(self, rel_path: str) -> bytearray:
+    def read(self, rel_path: str) -> Any:
         key = self._key(rel_path)
         with _translated(self.uri(rel_path), "read"):
             size = self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
@@ -218,7 +218,7 @@ class BufferWriter(io.RawIOBase):
     """A seekable sink into one preallocated bytearray (parts may arrive out of order)."""
 
     def __init__(self, size: int) -> None:
-        self.buffer = bytearray(size)
+        self.buffer = uninitialized_buffer(size)
         self._view = memoryview(self.buffer)
         self._pos = 0
 

@@ -1,0 +1,162 @@
+"""``ray-checkfreq bench store``: save/load throughput against torch.save / torch.load.
+
+Same state, same run: a model-like dict of float32 tensors of ``--size-mb`` in total.
+Local disk: CheckpointStore.save (fsync + commit) vs ``torch.save`` + fsync, and
+CheckpointStore.load (checksums verified) vs ``torch.load(weights_only=True)``.
+S3 (``--s3``): a moto server on 127.0.0.1 started here; CheckpointStore over boto3 vs
+``torch.save`` into memory + one ``upload_fileobj``, and download + ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from ray_checkfreq.storage import CheckpointStore
+
+MiB = 1024 * 1024
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-mb", type=int, default=500, help="total state size in MiB (default 500)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is kept")
+    parser.add_argument("--dir", default=None, help="local directory to write into (default: a temp dir)")
+    parser.add_argument("--s3", action="store_true", help="also measure against a loopback moto S3 server")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+
+
+def make_state(size_mb: int) -> dict:
+    """Tensors of 1-8 MiB, like a model's layers plus Adam's two moments."""
+    generator = torch.Generator().manual_seed(0)
+    remaining = size_mb * MiB // 4
+    tensors = {}
+    index = 0
+    while remaining > 0:
+        numel = min(remaining, (1 + index % 8) * MiB // 4)
+        tensors[f"layer{index}.weight"] = torch.randn(numel, generator=generator)
+        remaining -= numel
+        index += 1
+    return {"model": tensors, "step": 1}
+
+
+def _median_seconds(action: Callable[[], object], repeat: int, before: Callable[[], None] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before:
+            before()
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _torch_save_fsync(state: dict, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def bench_local(state: dict, root: str, repeat: int) -> dict:
+    store_dir = os.path.join(root, "store")
+    store = CheckpointStore(store_dir, keep_last=1)
+    pt_path = os.path.join(root, "baseline.pt")
+    steps = iter(range(10**9))
+    figures = {
+        "ours_save_s": _median_seconds(lambda: store.save(next(steps), state), repeat),
+        "torch_save_fsync_s": _median_seconds(lambda: _torch_save_fsync(state, pt_path), repeat),
+        "ours_load_s": _median_seconds(lambda: store.load(), repeat),
+        "torch_load_s": _median_seconds(lambda: torch.load(pt_path, weights_only=True), repeat),
+    }
+    shutil.rmtree(store_dir, ignore_errors=True)
+    return figures
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_s3(state: dict, repeat: int) -> dict:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="bench")
+        from ray_checkfreq.storage import S3Options
+
+        store = CheckpointStore("s3://bench/ours", keep_last=1, s3=S3Options(endpoint_url=endpoint))
+        steps = iter(range(10**9))
+
+        def torch_upload() -> None:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            buffer.seek(0)
+            client.upload_fileobj(buffer, "bench", "baseline.pt")
+
+        def torch_download() -> None:
+            buffer = io.BytesIO()
+            client.download_fileobj("bench", "baseline.pt", buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+
+        return {
+            "ours_save_s": _median_seconds(lambda: store.save(next(steps), state), repeat),
+            "torch_save_fsync_s": _median_seconds(torch_upload, repeat),
+            "ours_load_s": _median_seconds(lambda: store.load(), repeat),
+            "torch_load_s": _median_seconds(torch_download, repeat),
+        }
+    finally:
+        server.stop()
+
+
+def _print_table(size_mb: int, results: dict[str, dict]) -> None:
+    print(f"state: {size_mb} MiB of float32 tensors; median of runs; MB/s = MiB moved per second")
+    print(f"{'where':<8} {'operation':<6} {'ray_checkfreq':>14} {'torch':>10} {'ratio':>7}")
+    for where, fig in results.items():
+        for op in ("save", "load"):
+            ours = size_mb / fig[f"ours_{op}_s"]
+            theirs = size_mb / fig[f"torch_{op}_fsync_s" if op == "save" else "torch_load_s"]
+            print(f"{where:<8} {op:<6} {ours:>9.0f} MB/s {theirs:>5.0f} MB/s {ours / theirs:>6.2f}x")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.size_mb < 1 or args.repeat < 1:
+        raise ValueError("--size-mb and --repeat must be >= 1")
+    state = make_state(args.size_mb)
+    root = args.dir or tempfile.mkdtemp(prefix="rcf-bench-")
+    results = {"local": bench_local(state, root, args.repeat)}
+    if args.s3:
+        results["s3"] = bench_s3(state, args.repeat)
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    _print_table(args.size_mb, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size_mb": args.size_mb, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
