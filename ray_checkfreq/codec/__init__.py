@@ -1,0 +1,30 @@
+"""Model-aware tensor codec: byte grouping + zstd, XOR deltas, near-lossless rounding.
+
+Bytes in, bytes out: no Ray, no torch.distributed, no storage. Public surface:
+:func:`encode`, :func:`decode`, :func:`decode_numpy`, :func:`blob_info`, :func:`verify`,
+:class:`CodecConfig` and the errors. The blob format is described in
+:mod:`ray_checkfreq.codec.blob`, the near-lossless bound in
+:mod:`ray_checkfreq.codec.nearlossless`.
+"""
+
+from ray_checkfreq.codec.api import (
+    CodecConfig,
+    blob_info,
+    decode,
+    decode_numpy,
+    encode,
+    verify,
+)
+from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
+
+__all__ = [
+    "BaseMismatchError",
+    "CodecConfig",
+    "CodecError",
+    "CorruptBlobError",
+    "blob_info",
+    "decode",
+    "decode_numpy",
+    "encode",
+    "verify",
+]

@@ -1,0 +1,134 @@
+"""The self-describing blob: a header, a frame table and the stored streams.
+
+Layout (little-endian)::
+
+    magic "RCFZ" | version u8 | flags u8 | dtype name (u8 length + ASCII)
+    | ndim u8 | shape u64 * ndim | precision_bits u8 (255: lossless)
+    | width u8 (streams per frame) | frame_elems u64 | nframes u32
+    | per frame: raw_crc u32 | stored_crc u32 | [base_crc u32 if DELTA]
+    |            per stream: method u8 | stored_len u32
+    | header_crc u32 (crc32 of every header byte before it)
+    | payload: for each frame, its streams in order
+
+``raw_crc`` is the crc32 of the frame's bytes of the decoded tensor, ``stored_crc`` of the
+frame's stored streams, ``base_crc`` of the frame's bytes of the delta base.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from ray_checkfreq.codec.errors import CorruptBlobError
+
+MAGIC = b"RCFZ"
+VERSION = 1
+
+FLAG_DELTA = 1  # stored bytes are x XOR base
+FLAG_ROTATE = 2  # float sign bit rotated next to the mantissa before grouping
+FLAG_GROUPED = 4  # element bytes split into `width` streams
+
+METHOD_RAW = 0
+METHOD_ZSTD = 1
+METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd"}
+NO_PRECISION = 255
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameEntry:
+    raw_crc: int
+    stored_crc: int
+    base_crc: int  # 0 unless the blob is a delta
+    streams: tuple[tuple[int, int], ...]  # (method, stored_len) per stream
+
+    @property
+    def stored_len(self) -> int:
+        return sum(n for _, n in self.streams)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Header:
+    flags: int
+    dtype: str
+    shape: tuple[int, ...]
+    precision_bits: int | None
+    width: int
+    frame_elems: int
+    frames: tuple[FrameEntry, ...]
+
+    @property
+    def is_delta(self) -> bool:
+        return bool(self.flags & FLAG_DELTA)
+
+
+def pack(h: Header) -> bytes:
+    name = h.dtype.encode("ascii")
+    parts = [MAGIC, struct.pack("<BBB", VERSION, h.flags, len(name)), name,
+             struct.pack(f"<B{len(h.shape)}Q", len(h.shape), *h.shape),
+             struct.pack("<BBQI", NO_PRECISION if h.precision_bits is None else h.precision_bits,
+                         h.width, h.frame_elems, len(h.frames))]
+    for f in h.frames:
+        parts.append(struct.pack("<II", f.raw_crc, f.stored_crc))
+        if h.is_delta:
+            parts.append(struct.pack("<I", f.base_crc))
+        for method, n in f.streams:
+            parts.append(struct.pack("<BI", method, n))
+    body = b"".join(parts)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+class _Reader:
+    def __init__(self, blob: memoryview) -> None:
+        self.blob = blob
+        self.pos = 0
+
+    def take(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.blob):
+            raise CorruptBlobError("codec blob is truncated inside its header")
+        out = struct.unpack_from(fmt, self.blob, self.pos)
+        self.pos += size
+        return out
+
+
+def unpack(blob) -> tuple[Header, int]:
+    """The header of ``blob`` and the offset where its payload starts; checks lengths and crc."""
+    view = memoryview(blob).cast("B")
+    if bytes(view[:4]) != MAGIC:
+        raise CorruptBlobError("not a ray_checkfreq codec blob (bad magic)")
+    r = _Reader(view)
+    r.pos = 4
+    version, flags, name_len = r.take("<BBB")
+    if version != VERSION:
+        raise CorruptBlobError(f"codec blob format version {version} is not supported "
+                               f"(this build reads version {VERSION})")
+    (name,) = r.take(f"<{name_len}s")
+    (ndim,) = r.take("<B")
+    shape = r.take(f"<{ndim}Q")
+    precision, width, frame_elems, nframes = r.take("<BBQI")
+    per_frame = 8 + (4 if flags & FLAG_DELTA else 0) + 5 * width
+    if width == 0 or r.pos + nframes * per_frame + 4 > len(view):
+        raise CorruptBlobError("codec blob is truncated inside its frame table")
+    frames = []
+    for _ in range(nframes):
+        raw_crc, stored_crc = r.take("<II")
+        base_crc = r.take("<I")[0] if flags & FLAG_DELTA else 0
+        streams = tuple(r.take("<BI") for _ in range(width))
+        frames.append(FrameEntry(raw_crc=raw_crc, stored_crc=stored_crc, base_crc=base_crc,
+                                 streams=streams))
+    (header_crc,) = r.take("<I")
+    if zlib.crc32(view[:r.pos - 4]) != header_crc:
+        raise CorruptBlobError("codec blob header checksum mismatch (corrupted header)")
+    try:
+        dtype = name.decode("ascii")
+    except UnicodeDecodeError:
+        raise CorruptBlobError("codec blob names an unreadable dtype") from None
+    header = Header(flags=flags, dtype=dtype, shape=tuple(shape),
+                    precision_bits=None if precision == NO_PRECISION else precision,
+                    width=width, frame_elems=frame_elems, frames=tuple(frames))
+    payload = sum(f.stored_len for f in frames)
+    if r.pos + payload != len(view):
+        raise CorruptBlobError(f"codec blob holds {len(view) - r.pos} payload bytes, its "
+                               f"header describes {payload} (truncated or padded)")
+    return header, r.pos

@@ -1,0 +1,121 @@
+"""Encoding and decoding of one independent frame (a run of whole elements)."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from ray_checkfreq.codec import grouping, nearlossless, zstdparams
+from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, FrameEntry
+from ray_checkfreq.codec.dtypes import DtypeInfo
+from ray_checkfreq.codec.errors import BaseMismatchError, CorruptBlobError
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FramePlan:
+    """What every frame of one blob shares."""
+
+    info: DtypeInfo
+    width: int  # streams per frame (1: ungrouped)
+    rotate: bool
+    frame_bytes: int
+    nbytes: int
+    level: int | None  # None: tuned per stream role
+    precision_bits: int | None
+
+    @property
+    def nframes(self) -> int:
+        return -(-self.nbytes // self.frame_bytes)
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        lo = i * self.frame_bytes
+        return lo, min(lo + self.frame_bytes, self.nbytes)
+
+    def stream_key(self, j: int) -> object:
+        if self.level is not None:
+            return self.level
+        if self.width == 1:
+            return zstdparams.SMALL_LEVEL if self.nframes == 1 else zstdparams.OTHER_LEVEL
+        if self.rotate and j == self.width - 1:
+            return "exp"
+        return zstdparams.OTHER_LEVEL
+
+
+def _xor(a: np.ndarray, b: np.ndarray, unit: int) -> np.ndarray:
+    utype = _UNSIGNED[unit]
+    return np.bitwise_xor(a.view(utype), b.view(utype)).view(np.uint8)
+
+
+def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
+                 i: int) -> tuple[FrameEntry, list]:
+    lo, hi = plan.bounds(i)
+    data = src[lo:hi]
+    if plan.precision_bits is not None:
+        data = nearlossless.round_frame(data, plan.info, plan.precision_bits)
+    raw_crc = zlib.crc32(data)
+    base_crc = 0
+    if base is not None:
+        base_crc = zlib.crc32(base[lo:hi])
+        data = _xor(data, base[lo:hi], plan.info.unit_bytes)
+    streams = grouping.split(data, plan.width, rotate=plan.rotate)
+    stored, table, crc = [], [], 0
+    for j, stream in enumerate(streams):
+        packed = zstdparams.compressor(plan.stream_key(j)).compress(stream)
+        if len(packed) < stream.nbytes:
+            item, method = packed, METHOD_ZSTD
+        else:
+            item, method = stream, METHOD_RAW
+        crc = zlib.crc32(item, crc)
+        stored.append(item)
+        table.append((method, len(memoryview(item).cast("B"))))
+    entry = FrameEntry(raw_crc=raw_crc, stored_crc=crc, base_crc=base_crc, streams=tuple(table))
+    return entry, stored
+
+
+def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset: int,
+                 out: np.ndarray, base: np.ndarray | None, i: int) -> None:
+    """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it."""
+    lo, hi = plan.bounds(i)
+    if base is not None and zlib.crc32(base[lo:hi]) != entry.base_crc:
+        raise BaseMismatchError(
+            "decode was given a different base than the one this delta blob was encoded "
+            f"against (base checksum mismatch in frame {i}); pass the exact tensor that "
+            "was given as base= to encode")
+    # The stored crc is left to verify(): the content crc below already rejects any
+    # damage, and checking both would cost a second pass over the frame.
+    stored = payload[offset:offset + entry.stored_len]
+    stream_len = (hi - lo) // plan.width
+    streams, pos = [], 0
+    for method, n in entry.streams:
+        chunk = stored[pos:pos + n]
+        pos += n
+        if method == METHOD_ZSTD:
+            chunk = _decompress(chunk, stream_len, i)
+        elif method != METHOD_RAW or n != stream_len:
+            raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
+        streams.append(chunk)
+    target = out[lo:hi]
+    grouping.merge_into(streams, target, plan.width, rotate=plan.rotate)
+    if base is not None:
+        utype = _UNSIGNED[plan.info.unit_bytes]
+        np.bitwise_xor(target.view(utype), base[lo:hi].view(utype), out=target.view(utype))
+    if zlib.crc32(target) != entry.raw_crc:
+        raise CorruptBlobError(f"codec blob frame {i} decoded to wrong bytes "
+                               "(content checksum mismatch)")
+
+
+def _decompress(chunk: memoryview, expected: int, i: int) -> bytes:
+    try:
+        if zstandard.frame_content_size(chunk) != expected:
+            raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
+        data = zstdparams.decompressor().decompress(chunk)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlobError(f"codec blob frame {i} does not decompress: {exc}") from None
+    if len(data) != expected:
+        raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
+    return data
