@@ -91,6 +91,9 @@ def _one_tensor() -> Manifest:
         (lambda b: b.update(state={"dict": {}}), "does not reference every tensor"),
         (lambda b: b.update(state={"dict": {"w": {"pickle": 0}}}), "does not reference every tensor"),
         (lambda b: b.update(step="3"), "'step'"),
+        (lambda b: b["tensors"][0].update(codec="pickle"), "unknown codec"),
+        (lambda b: b["tensors"][0].update(delta=True), "raw tensor cannot be a delta"),
+        (lambda b: b.update(delta_base="../step-000000000001-abcdef01"), "not a checkpoint directory"),
     ],
 )
 def test_hostile_but_well_signed_manifests_are_refused(edit, message):

@@ -79,15 +79,60 @@ def test_file_uri_and_plain_path_are_the_same_store(tmp_path):
 
 
 def test_retention_keeps_newest_and_epoch_boundaries(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, full_every=1)
     for step in range(1, 8):
         store.save(step, {"x": torch.full((4,), step)}, epoch_boundary=(step == 3))
     assert [r.step for r in store.list()] == [3, 6, 7]
     assert len(os.listdir(tmp_path)) == 3
 
 
+def test_deltas_keep_their_base_and_a_full_checkpoint_comes_every_n_saves(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2, full_every=3, keep_epoch_boundaries=False)
+    weights = torch.randn(10_000)
+    for step in range(1, 8):
+        weights[step * 10] += 1.0  # consecutive checkpoints differ in a few values
+        store.save(step, {"w": weights.clone(), "step": step})
+    bases = {ref.step: _manifest(tmp_path, ref)["delta_base"] for ref in store.list()}
+    # saves 1, 4, 7 are full; 5 and 6 are deltas against 4, which retention keeps
+    assert sorted(bases) == [4, 6, 7]
+    assert bases[4] is None and bases[7] is None and bases[6].startswith("step-000000000004-")
+    for ref in store.list():
+        store.verify(ref)
+    assert torch.equal(store.load(6)["w"][60], weights[60]) and torch.equal(store.load()["w"], weights)
+    store.save(8, {"w": weights.clone(), "step": 8})  # a delta against 7: 4 and 6 can go
+    assert [r.step for r in store.list()] == [7, 8]
+
+
+def test_a_delta_whose_base_is_damaged_falls_back(tmp_path, caplog):
+    store = CheckpointStore(str(tmp_path), keep_last=3, full_every=4)
+    for step in (1, 2, 3):
+        store.save(step, {"w": torch.arange(5000, dtype=torch.float32) + step})
+    base = store.list()[0]
+    _flip_bit(_shard(tmp_path, base), 200)
+    caplog.set_level(logging.WARNING, logger="ray_checkfreq.storage")
+    assert store.latest() is None  # 2 and 3 are deltas against the damaged 1
+    assert "delta base is unusable" in caplog.text and base.name in caplog.text
+
+
+def _manifest(tmp_path, ref) -> dict:
+    return json.loads((tmp_path / ref.name / "manifest.json").read_text())
+
+
+def test_compressed_and_raw_checkpoints_both_load(tmp_path):
+    state = training_state()
+    compressed = CheckpointStore(str(tmp_path / "z"))
+    raw = CheckpointStore(str(tmp_path / "r"), codec="raw")
+    compressed.save(1, state)
+    raw.save(1, state)
+    codecs = {t["codec"] for t in _manifest(tmp_path / "z", compressed.latest())["tensors"]}
+    assert codecs == {"rcfz"}
+    assert {t["codec"] for t in _manifest(tmp_path / "r", raw.latest())["tensors"]} == {"raw"}
+    assert_same_state(state, compressed.load())
+    assert_same_state(state, raw.load())
+
+
 def test_retention_without_epoch_boundaries(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=1, keep_epoch_boundaries=False)
+    store = CheckpointStore(str(tmp_path), keep_last=1, keep_epoch_boundaries=False, full_every=1)
     for step in range(1, 5):
         store.save(step, {"x": torch.full((4,), step)}, epoch_boundary=True)
     assert [r.step for r in store.list()] == [4]
@@ -163,9 +208,9 @@ def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog,
     shard = _shard(tmp_path, bad)
     manifest_path = tmp_path / bad.name / "manifest.json"
     if damage == "truncate":
-        os.truncate(shard, 100)
+        os.truncate(shard, os.path.getsize(shard) // 2)
     elif damage == "flip_shard":
-        _flip_bit(shard, 2000)
+        _flip_bit(shard, os.path.getsize(shard) // 2)
     elif damage == "delete_shard":
         os.unlink(shard)
     elif damage == "flip_manifest":
@@ -254,7 +299,7 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tiny_d
     store = CheckpointStore(str(tiny_disk))
     store.save(1, {"w": torch.ones(1000)})
     with pytest.raises(StorageError, match="no space left on device") as info:
-        store.save(2, {"w": torch.ones(1_000_000)})  # 4 MB into 2 MiB
+        store.save(2, {"w": torch.randn(1_000_000)})  # ~3.4 MB compressed, into 2 MiB
     assert str(tiny_disk) in str(info.value)
     assert [r.step for r in store.list()] == [1]
     assert len(os.listdir(tiny_disk)) == 1  # the partial directory is gone

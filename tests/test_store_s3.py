@@ -47,7 +47,7 @@ def test_multipart_upload_of_a_checkpoint_larger_than_the_threshold(s3_server, s
     with FaultProxy(port) as proxy:
         options = S3Options(endpoint_url=proxy.url, multipart_threshold_bytes=5 * MiB,
                             multipart_chunksize_bytes=5 * MiB)
-        store = CheckpointStore(f"s3://{s3_bucket}/big", s3=options, shard_size_bytes=64 * MiB)
+        store = CheckpointStore(f"s3://{s3_bucket}/big", s3=options, shard_size_bytes=64 * MiB, codec="raw")
         state = _state(1, numel=3 * MiB)  # 12 MiB of float32 in one shard
         store.save(1, state)
         uploads = [p for m, p in proxy.requests if m == "PUT" and "uploadId=" in p and "shard-00000" in p]

@@ -24,6 +24,9 @@ CHECKSUM_ALGORITHM = "crc32"
 # Shard names are plain file names: nothing a manifest says can leave its directory.
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
+CHECKPOINT_DIR = re.compile(r"^step-(\d{12,})-([0-9a-f]{8})$")
+# "raw": the leaf's bytes as they are; "rcfz": a ray_checkfreq.codec blob (self-describing).
+CODECS = frozenset({"raw", "rcfz"})
 
 
 class ManifestError(ValueError):
@@ -42,6 +45,7 @@ class TensorEntry:
     length: int
     stored_crc32: int
     raw_crc32: int
+    delta: bool = False  # stored as an XOR delta against the same key in Manifest.delta_base
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     state: Any
     meta: dict = field(default_factory=dict)
+    delta_base: str | None = None  # directory name of the full checkpoint deltas refer to
 
     @property
     def size_bytes(self) -> int:
@@ -74,6 +79,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "created_unix_ns": manifest.created_unix_ns,
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "meta": manifest.meta,
+        "delta_base": manifest.delta_base,
         "shards": [{"name": s.name, "size_bytes": s.size_bytes} for s in manifest.shards],
         "tensors": [_tensor_json(t) for t in manifest.tensors],
         "state": manifest.state,
@@ -94,6 +100,7 @@ def _tensor_json(entry: TensorEntry) -> dict:
         "length": entry.length,
         "stored_crc32": entry.stored_crc32,
         "raw_crc32": entry.raw_crc32,
+        "delta": entry.delta,
     }
 
 
@@ -137,6 +144,7 @@ def _build_manifest(body: dict) -> Manifest:
     tensors = tuple(_parse_tensor(t, shard_sizes) for t in _field(body, "tensors", list))
     _check_refs(body.get("state"), tensors)
     meta = _field(body, "meta", dict)
+    delta_base = _parse_delta_base(body, tensors)
     return Manifest(
         step=_nonneg_int(body, "step"),
         epoch_boundary=_field(body, "epoch_boundary", bool),
@@ -145,7 +153,17 @@ def _build_manifest(body: dict) -> Manifest:
         tensors=tensors,
         state=body.get("state"),
         meta=meta,
+        delta_base=delta_base,
     )
+
+
+def _parse_delta_base(body: dict, tensors: tuple[TensorEntry, ...]) -> str | None:
+    base = body.get("delta_base")
+    if base is not None and (not isinstance(base, str) or not CHECKPOINT_DIR.match(base)):
+        raise ManifestError(f"delta_base {base!r} is not a checkpoint directory name")
+    if base is None and any(t.delta for t in tensors):
+        raise ManifestError("delta tensors without a delta_base")
+    return base
 
 
 def _parse_shard(raw: Any) -> ShardEntry:
@@ -171,7 +189,12 @@ def _parse_tensor(raw: Any, shard_sizes: dict[str, int]) -> TensorEntry:
         length=_nonneg_int(raw, "length"),
         stored_crc32=_nonneg_int(raw, "stored_crc32"),
         raw_crc32=_nonneg_int(raw, "raw_crc32"),
+        delta=_field(raw, "delta", bool),
     )
+    if entry.codec not in CODECS:
+        raise ManifestError(f"tensor {key!r}: unknown codec {entry.codec!r}")
+    if entry.delta and entry.codec == "raw":
+        raise ManifestError(f"tensor {key!r}: a raw tensor cannot be a delta")
     if entry.shard not in shard_sizes:
         raise ManifestError(f"tensor {key!r} refers to unlisted shard {entry.shard!r}")
     if entry.offset + entry.length > shard_sizes[entry.shard]:

@@ -17,7 +17,6 @@ holding shard files and ``manifest.json``. Commit protocol (invariants):
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -28,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
-from ray_checkfreq.storage.arrays import leaf_bytes, leaf_from_buffer, leaf_spec
+from ray_checkfreq.storage.arrays import leaf_spec
+from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.manifest import (
+    CHECKPOINT_DIR,
     MANIFEST_NAME,
     Manifest,
     ManifestError,
@@ -46,7 +47,6 @@ logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
 ALIGN_BYTES = 64
-_CHECKPOINT_DIR = re.compile(r"^step-(\d{12,})-([0-9a-f]{8})$")
 _ZEROS = bytes(ALIGN_BYTES)
 
 
@@ -58,8 +58,15 @@ class StoreConfig:
     keep_epoch_boundaries: bool = True
     shard_size_bytes: int = 64 * MiB
     io_threads: int = 4
+    codec: str = "rcfz"
+    codec_level: int | None = None
+    codec_threads: int | None = None
+    full_every: int = 8
 
     def __post_init__(self) -> None:
+        EncodeOptions(codec=self.codec, level=self.codec_level, threads=self.codec_threads)
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"full_every={self.full_every!r}: must be an int >= 1 (1 = no deltas)")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
             raise ValueError(f"keep_last={self.keep_last!r}: must be an int >= 1")
         if not isinstance(self.shard_size_bytes, int) or self.shard_size_bytes < 1:
@@ -79,6 +86,15 @@ class CheckpointRef:
     name: str = ""
     created_unix_ns: int = 0
     size_bytes: int = 0
+
+
+@dataclass
+class _DeltaBase:
+    """The newest full checkpoint written by this store object, kept for deltas."""
+
+    name: str
+    leaves: dict[str, Any]
+    saves_since: int = 0
 
 
 @dataclass
@@ -119,6 +135,10 @@ class CheckpointStore:
         keep_epoch_boundaries: bool = True,
         shard_size_bytes: int = 64 * MiB,
         io_threads: int = 4,
+        codec: str = "rcfz",
+        codec_level: int | None = None,
+        codec_threads: int | None = None,
+        full_every: int = 8,
         filesystem: Any = None,
         s3: S3Options | None = None,
     ) -> None:
@@ -127,11 +147,16 @@ class CheckpointStore:
             keep_epoch_boundaries=keep_epoch_boundaries,
             shard_size_bytes=shard_size_bytes,
             io_threads=io_threads,
+            codec=codec,
+            codec_level=codec_level,
+            codec_threads=codec_threads,
+            full_every=full_every,
         )
         self._init_args = (uri, filesystem, s3)
         self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3)
         self.uri = self.backend.root_uri
         self._lock = threading.Lock()
+        self._base: _DeltaBase | None = None
 
     def __reduce__(self) -> tuple:
         uri, filesystem, s3 = self._init_args
@@ -149,54 +174,93 @@ class CheckpointStore:
         *,
         epoch_boundary: bool = False,
         meta: dict | None = None,
+        codec: str | None = None,
+        codec_level: int | None = None,
     ) -> CheckpointRef:
-        """Write ``state`` as the checkpoint of ``step``; returns once it is committed."""
+        """Write ``state`` as the checkpoint of ``step``; returns once it is committed.
+
+        ``codec`` / ``codec_level`` override the store's defaults for this save only
+        (the engine's policy turns compression off where it does not pay).
+        """
         _check_step(step)
         meta = _checked_meta(meta)
+        options = EncodeOptions(
+            codec=codec or self.config.codec,
+            level=codec_level if codec_level is not None else self.config.codec_level,
+            threads=self.config.codec_threads,
+        )
         flat = flatten_state(state)  # refuses bad state before any I/O
         with self._lock:
             self._delete_leftovers()
             name = f"step-{step:012d}-{uuid.uuid4().hex[:8]}"
+            base = self._usable_base(options)
             try:
-                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta)
+                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base)
             except BaseException:
                 self._discard(name)
                 raise
+            self._remember_base(name, manifest, flat, options)
             self._apply_retention()
         return self._ref(name, manifest)
 
-    def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict) -> Manifest:
+    def _usable_base(self, options: EncodeOptions) -> _DeltaBase | None:
+        base = self._base
+        if options.codec != "rcfz" or base is None or base.saves_since >= self.config.full_every - 1:
+            return None
+        return base
+
+    def _remember_base(self, name: str, manifest: Manifest, flat: Any, options: EncodeOptions) -> None:
+        """Keep a private copy of a full checkpoint's leaves as the base of the next deltas."""
+        if manifest.delta_base is not None:
+            assert self._base is not None
+            self._base.saves_since += 1
+        elif options.codec == "rcfz" and self.config.full_every > 1:
+            leaves = {key: copy_leaf(leaf) for key, leaf in zip(flat.key_paths, flat.leaves)}
+            self._base = _DeltaBase(name=name, leaves=leaves)
+        else:
+            self._base = None
+
+    def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict,
+                          options: EncodeOptions, base: _DeltaBase | None) -> Manifest:
         self.backend.make_dir(name)
         plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-write") as pool:
-            results = list(pool.map(lambda item: self._write_shard(name, *item, flat), plan.items()))
+            results = list(pool.map(
+                lambda item: self._write_shard(name, item[0], item[1], flat, options, base), plan.items()
+            ))
         tensors = sorted((t for entries, _ in results for t in entries), key=lambda t: t[0])
+        entries = tuple(entry for _, entry in tensors)
         manifest = Manifest(
             step=step,
             epoch_boundary=bool(epoch_boundary),
             created_unix_ns=time.time_ns(),
             shards=tuple(shard for _, shard in results),
-            tensors=tuple(entry for _, entry in tensors),
+            tensors=entries,
             state=flat.skeleton,
             meta=meta,
+            delta_base=base.name if base is not None and any(t.delta for t in entries) else None,
         )
         self.backend.write_atomic(f"{name}/{MANIFEST_NAME}", encode_manifest(manifest))
         return manifest
 
-    def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any) -> tuple:
+    def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any,
+                     options: EncodeOptions, base: _DeltaBase | None) -> tuple:
         chunks: list[Any] = []
         entries = []
         offset = 0
         for index in indices:
-            data = leaf_bytes(flat.leaves[index])
-            crc = zlib.crc32(data)
+            key = flat.key_paths[index]
+            leaf = flat.leaves[index]
+            encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None)
+            length = memoryview(encoded.data).nbytes
             entries.append((index, TensorEntry(
-                key=flat.key_paths[index], spec=leaf_spec(flat.leaves[index]), codec="raw",
-                shard=shard, offset=offset, length=data.nbytes, stored_crc32=crc, raw_crc32=crc,
+                key=key, spec=leaf_spec(leaf), codec=encoded.codec, shard=shard, offset=offset,
+                length=length, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
+                delta=encoded.delta,
             )))
-            pad = -data.nbytes % ALIGN_BYTES
-            chunks += [data, _ZEROS[:pad]] if pad else [data]
-            offset += data.nbytes + pad
+            pad = -length % ALIGN_BYTES
+            chunks += [encoded.data, _ZEROS[:pad]] if pad else [encoded.data]
+            offset += length + pad
         self.backend.write(f"{name}/{shard}", chunks)
         return entries, ShardEntry(name=shard, size_bytes=offset)
 
@@ -214,15 +278,21 @@ class CheckpointStore:
                 self.backend.delete_dir(entry.name)
 
     def _apply_retention(self) -> None:
-        kept_valid = 0
-        for entry in reversed(self._committed()):
+        entries = self._committed()
+        keep: set[str] = set()
+        kept_intact = 0
+        for entry in reversed(entries):
             intact = entry.manifest is not None and entry.shards_present()
-            if kept_valid < self.config.keep_last:
-                kept_valid += intact
-                continue
-            if intact and self.config.keep_epoch_boundaries and entry.manifest.epoch_boundary:
-                continue
-            self._delete(entry.name)
+            if kept_intact < self.config.keep_last:
+                kept_intact += intact
+                keep.add(entry.name)
+            elif intact and self.config.keep_epoch_boundaries and entry.manifest.epoch_boundary:
+                keep.add(entry.name)
+        # A delta is only as good as its base: keep every base a kept checkpoint refers to.
+        keep |= {e.manifest.delta_base for e in entries if e.name in keep and e.manifest and e.manifest.delta_base}
+        for entry in entries:
+            if entry.name not in keep:
+                self._delete(entry.name)
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.
@@ -245,7 +315,7 @@ class CheckpointStore:
     def _scan(self, read_manifests: bool = True) -> list[_Entry]:
         entries = []
         for name in self.backend.list_dirs():
-            match = _CHECKPOINT_DIR.match(name)
+            match = CHECKPOINT_DIR.match(name)
             if match:
                 entry = _Entry(name=name, step=int(match.group(1)), files=self.backend.list_files(name))
                 if read_manifests and entry.committed:
@@ -355,7 +425,17 @@ class CheckpointStore:
         self._read(self._find(ref_or_step), build=False)
 
     def _read(self, ref: CheckpointRef, *, build: bool) -> Any:
+        manifest, leaves = self._read_leaves(ref, build=build)
+        if not build:
+            return None
+        try:
+            return unflatten_state(manifest.state, leaves)
+        except SkeletonError as err:
+            raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
+
+    def _read_leaves(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, list]:
         manifest = self._load_manifest(ref)
+        bases = self._read_base(ref, manifest, build=build)
         files = self.backend.list_files(ref.name)
         for shard in manifest.shards:
             self._check_shard_file(ref, shard, files)
@@ -364,15 +444,30 @@ class CheckpointStore:
             by_shard.setdefault(tensor.shard, []).append(index)
         leaves: list[Any] = [None] * len(manifest.tensors)
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-read") as pool:
-            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build) for s, idx in by_shard.items()]
+            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build, bases)
+                    for s, idx in by_shard.items()]
             for job in jobs:
                 job.result()
-        if not build:
-            return None
+        return manifest, leaves
+
+    def _read_base(self, ref: CheckpointRef, manifest: Manifest, *, build: bool) -> dict[str, Any]:
+        """Leaves of the full checkpoint the deltas refer to, by key ({} when none)."""
+        if manifest.delta_base is None:
+            return {}
+        location = self._manifest_uri(ref)
+        base_ref = CheckpointRef(step=0, uri=self.backend.uri(manifest.delta_base), epoch_boundary=False,
+                                 name=manifest.delta_base)
         try:
-            return unflatten_state(manifest.state, leaves)
-        except SkeletonError as err:
-            raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
+            base_manifest, base_leaves = self._read_leaves_of_full(base_ref, build=build)
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(location, f"its delta base is unusable: {err}") from None
+        return {t.key: leaf for t, leaf in zip(base_manifest.tensors, base_leaves)}
+
+    def _read_leaves_of_full(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, list]:
+        manifest = self._load_manifest(ref)
+        if manifest.delta_base is not None:
+            raise CorruptCheckpointError(self._manifest_uri(ref), "a delta base is itself a delta")
+        return self._read_leaves(ref, build=build)
 
     def _manifest_uri(self, ref: CheckpointRef) -> str:
         return self.backend.uri(f"{ref.name}/{MANIFEST_NAME}")
@@ -396,7 +491,7 @@ class CheckpointStore:
             )
 
     def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: list[int],
-                    leaves: list, build: bool) -> None:
+                    leaves: list, build: bool, bases: dict[str, Any]) -> None:
         location = self.backend.uri(f"{ref.name}/{shard}")
         try:
             buffer = self.backend.read(f"{ref.name}/{shard}")
@@ -405,15 +500,22 @@ class CheckpointStore:
         view = memoryview(buffer)
         for index in indices:
             entry = manifest.tensors[index]
-            if entry.codec != "raw":
-                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: unknown codec {entry.codec!r}")
             if entry.offset + entry.length > len(buffer):
                 raise CorruptCheckpointError(location, f"tensor {entry.key!r} lies past the end of the shard")
             crc = zlib.crc32(view[entry.offset:entry.offset + entry.length])
             if crc != entry.stored_crc32:
                 raise CorruptCheckpointError(location, f"checksum mismatch in tensor {entry.key!r}")
-            if build:
-                leaves[index] = leaf_from_buffer(entry.spec, buffer, entry.offset)
+            if entry.delta and entry.key not in bases:
+                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: no such key in its delta base")
+            if not build:
+                continue
+            try:
+                leaves[index] = decode_leaf(
+                    entry.spec, entry.codec, buffer, entry.offset, entry.length, entry.raw_crc32,
+                    base=bases.get(entry.key) if entry.delta else None, threads=self.config.codec_threads,
+                )
+            except LeafDecodeError as err:
+                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: {err}") from None
 
     def close(self) -> None:
         self.backend.close()

@@ -1,0 +1,89 @@
+"""Encode one array leaf for a shard, and decode it back, with both checksums.
+
+``raw`` stores the leaf's bytes as they are (no copy for contiguous CPU tensors);
+``rcfz`` stores a ``ray_checkfreq.codec`` blob, optionally an XOR delta against the
+same leaf of an earlier full checkpoint.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ray_checkfreq import codec
+from ray_checkfreq.storage.arrays import LeafSpec, leaf_bytes, leaf_from_buffer, leaf_spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeOptions:
+    codec: str = "rcfz"
+    level: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec not in ("raw", "rcfz"):
+            raise ValueError(f"codec={self.codec!r}: expected 'raw' or 'rcfz'")
+
+
+@dataclass
+class EncodedLeaf:
+    data: Any  # bytes-like to write
+    codec: str
+    raw_crc32: int
+    stored_crc32: int
+    delta: bool
+
+
+def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None) -> EncodedLeaf:
+    raw = leaf_bytes(leaf)
+    raw_crc = zlib.crc32(raw)
+    if options.codec == "raw":
+        return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
+    if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
+        return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
+    usable_base = base if base is not None and _same_spec(leaf, base) else None
+    try:
+        blob = codec.encode(leaf, base=usable_base, level=options.level, threads=options.threads)
+    except codec.CodecError:  # a dtype the codec does not group: store it as it is
+        return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
+    return EncodedLeaf(data=blob, codec="rcfz", raw_crc32=raw_crc, stored_crc32=zlib.crc32(blob),
+                       delta=usable_base is not None)
+
+
+def _same_spec(leaf: Any, base: Any) -> bool:
+    return leaf_spec(leaf) == leaf_spec(base)
+
+
+class LeafDecodeError(ValueError):
+    """The stored bytes do not decode to what the manifest promises."""
+
+
+def decode_leaf(spec: LeafSpec, codec_name: str, buffer: Any, offset: int, length: int,
+                raw_crc32: int, base: Any = None, threads: int | None = None) -> Any:
+    """The leaf; ``buffer`` has already passed the stored checksum."""
+    if codec_name == "raw":
+        return leaf_from_buffer(spec, buffer, offset)
+    blob = memoryview(buffer)[offset:offset + length]
+    try:
+        if spec.kind == "torch":
+            leaf = codec.decode(blob, base=base, threads=threads)
+        else:
+            leaf = codec.decode_numpy(blob, base=base, threads=threads)
+    except codec.CodecError as err:
+        raise LeafDecodeError(str(err)) from None
+    if leaf_spec(leaf) != spec:
+        raise LeafDecodeError(f"decoded {leaf_spec(leaf)} where the manifest says {spec}")
+    if zlib.crc32(leaf_bytes(leaf)) != raw_crc32:
+        raise LeafDecodeError("decoded bytes do not match raw_crc32")
+    return leaf
+
+
+def copy_leaf(leaf: Any) -> Any:
+    """A private copy, kept as the base of later deltas."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().to("cpu", copy=True).contiguous()
+    return np.array(leaf, copy=True)
