@@ -517,8 +517,36 @@ class CheckpointStore:
             except LeafDecodeError as err:
                 raise CorruptCheckpointError(location, f"tensor {entry.key!r}: {err}") from None
 
+    def write_metadata(self, name: str, data: dict) -> None:
+        """Store a small JSON document (a cached profile, say) beside the checkpoints."""
+        _check_metadata_name(name)
+        import json
+
+        self.backend.write_atomic(name, json.dumps(data, indent=1, allow_nan=False).encode("utf-8"))
+
+    def read_metadata(self, name: str) -> dict | None:
+        """A document written by ``write_metadata``; None if absent or unreadable (logged)."""
+        _check_metadata_name(name)
+        import json
+
+        try:
+            data = json.loads(bytes(self.backend.read(name)).decode("utf-8"))
+        except FileNotFoundError:
+            return None
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            logger.warning("ignoring unreadable %s: %s", self.backend.uri(name), err)
+            return None
+        return data if isinstance(data, dict) else None
+
     def close(self) -> None:
         self.backend.close()
+
+
+def _check_metadata_name(name: str) -> None:
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,100}\.json", name) or ".." in name:
+        raise ValueError(f"metadata name {name!r}: expected a plain lower-case file name ending in .json")
 
 
 def _rebuild_store(uri: str, kwargs: dict) -> CheckpointStore:

@@ -61,6 +61,7 @@ class PosixBackend(Backend):
         path = self._path(rel_path)
         tmp = path + ".tmp"
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb", buffering=0) as f:
                 _write_all(f, data)
                 os.fsync(f.fileno())

@@ -1,0 +1,122 @@
+"""Phase 2 of a checkpoint: encode, write and commit a snapshot in the background.
+
+At most one checkpoint is in flight and none is abandoned: ``submit`` refuses a second
+one, ``wait_idle`` blocks until the current one is committed (or failed), and a failure
+is kept and raised by the next ``raise_if_failed`` instead of vanishing in the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ray_checkfreq.engine.snapshot import Snapshot
+from ray_checkfreq.errors import CheckFreqError
+from ray_checkfreq.storage import CheckpointStore
+
+
+class PersistError(CheckFreqError):
+    """A background checkpoint write failed; the cause is chained."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(step, reason)
+        self.step = step
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"persisting the checkpoint of iteration {self.step} failed: {self.reason}"
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    step: int
+    seconds: float
+    raw_bytes: int
+    stored_bytes: int
+    uri: str
+
+
+class PersistWorker:
+    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None = None) -> None:
+        self.store = store
+        self._on_done = on_done
+        self._cond = threading.Condition()
+        self._job: tuple[Snapshot, dict] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: PersistError | None = None
+        self._thread = threading.Thread(target=self._run, name="rcf-persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._busy
+
+    def submit(self, snapshot: Snapshot, **save_options: Any) -> None:
+        with self._cond:
+            if self._busy:
+                raise RuntimeError("a checkpoint is already in flight (call wait_idle first)")
+            if self._closed:
+                raise RuntimeError("the persist worker is closed")
+            self._job = (snapshot, save_options)
+            self._busy = True
+            self._cond.notify_all()
+
+    def wait_idle(self) -> float:
+        """Seconds spent waiting for the in-flight checkpoint to commit."""
+        start = time.perf_counter()
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+        return time.perf_counter() - start
+
+    def raise_if_failed(self) -> None:
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self.wait_idle()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                snapshot, options = self._job
+            result, error = self._persist(snapshot, options)
+            with self._cond:
+                self._job = None
+                self._busy = False
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
+            if result is not None and self._on_done is not None:
+                self._on_done(result)
+
+    def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, PersistError | None]:
+        start = time.perf_counter()
+        try:
+            snapshot.copies.wait()
+            ref = self.store.save(snapshot.step, snapshot.state, epoch_boundary=snapshot.epoch_boundary, **options)
+        except BaseException as err:
+            error = PersistError(snapshot.step, f"{type(err).__name__}: {err}")
+            error.__cause__ = err
+            return None, error
+        return PersistResult(
+            step=snapshot.step,
+            seconds=time.perf_counter() - start,
+            raw_bytes=snapshot.size_bytes,
+            stored_bytes=ref.size_bytes,
+            uri=ref.uri,
+        ), None

@@ -1,0 +1,233 @@
+"""CheckFreq in one process: fence, one in flight, restore, profile cache, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ray_checkfreq import CheckpointStore
+from ray_checkfreq.engine import CheckFreq, PersistError, RestoreMismatchError
+from ray_checkfreq.engine.checkfreq import PROFILE_NAME
+from ray_checkfreq.engine.snapshot import HostCopier
+
+
+class CountingOptimizer(torch.optim.Optimizer):
+    """Each step writes the step count into every parameter and into its own state."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "count" not in state:
+                    state["count"] = torch.zeros_like(p)
+                state["count"].add_(1)
+                p.copy_(state["count"])
+
+
+class SlowHostCopier(HostCopier):
+    """Copies tensor by tensor with a pause: a window in which an unfenced update would tear it."""
+
+    def submit(self, pairs, handle):
+        def slow(pairs=pairs, handle=handle):
+            for src, dst in pairs:
+                time.sleep(0.004)
+                dst.copy_(src)
+            handle._host_done.set()
+
+        threading.Thread(target=slow, daemon=True).start()
+
+
+def _counting_run(tmp_path, fenced: bool) -> list[dict]:
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    opt = CountingOptimizer(model.parameters())
+    store = CheckpointStore(str(tmp_path), keep_last=100, codec="raw")
+    cf = CheckFreq(model=model, optimizer=opt, storage=store, every=3)
+    cf._snapshotter._host = SlowHostCopier()
+    if not fenced:
+        cf._hooks[0].remove()
+    cf.restore()
+    for _ in range(30):
+        opt.step()
+        cf.step()
+    cf.close()
+    return [store.load(ref) for ref in store.list()]
+
+
+def test_a_snapshot_is_never_a_mix_of_two_iterations(tmp_path):
+    for state in _counting_run(tmp_path / "fenced", fenced=True):
+        iteration = state["checkfreq"]["iteration"]
+        values = [t for t in state["model"].values()] + [s["count"] for s in state["optimizer"]["state"].values()]
+        assert all(bool((t == iteration).all()) for t in values), f"torn snapshot at iteration {iteration}"
+
+
+def test_without_the_fence_the_same_run_tears_snapshots(tmp_path):
+    torn = 0
+    for state in _counting_run(tmp_path / "unfenced", fenced=False):
+        iteration = state["checkfreq"]["iteration"]
+        torn += any(not bool((t == iteration).all()) for t in state["model"].values())
+    assert torn > 0, "the control run must show what the fence prevents"
+
+
+class SlowStore(CheckpointStore):
+    def __init__(self, *args, delay_s: float = 0.15, fail_at: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+        self.fail_at = fail_at
+        self.active = 0
+        self.max_active = 0
+        self.saved_steps: list[int] = []
+        self._count_lock = threading.Lock()
+
+    def save(self, step, state, **kwargs):
+        with self._count_lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            time.sleep(self.delay_s)
+            if step == self.fail_at:
+                raise OSError(28, "No space left on device")
+            ref = super().save(step, state, **kwargs)
+            self.saved_steps.append(step)
+            return ref
+        finally:
+            with self._count_lock:
+                self.active -= 1
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train(model, opt, cf, start, stop):
+    for it in range(start, stop):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(it))
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        cf.step()
+
+
+def test_one_checkpoint_in_flight_none_abandoned_and_the_wait_is_stall(tmp_path):
+    model, opt = _tiny()
+    store = SlowStore(str(tmp_path), keep_last=50)
+    cf = CheckFreq(model=model, optimizer=opt, storage=store, every=1)
+    _train(model, opt, cf, cf.restore(), 12)
+    cf.close()
+    assert store.max_active == 1
+    assert store.saved_steps == list(range(1, 13)), "every started checkpoint was committed, in order"
+    stats = cf.stats()
+    assert stats["checkpoints_committed"] == 12
+    assert stats["persist_wait_s"] > 0.1 and stats["stall_s_total"] >= stats["persist_wait_s"]
+
+
+def test_a_persist_failure_surfaces_on_the_next_step_or_close(tmp_path):
+    model, opt = _tiny()
+    cf = CheckFreq(model=model, optimizer=opt, storage=SlowStore(str(tmp_path), delay_s=0.0, fail_at=2), every=2)
+    cf.restore()
+    with pytest.raises(PersistError, match="iteration 2.*No space left") as info:
+        _train(model, opt, cf, 0, 50)
+    assert isinstance(info.value.__cause__, OSError)
+    model, opt = _tiny()
+    cf = CheckFreq(model=model, optimizer=opt, storage=SlowStore(str(tmp_path / "b"), delay_s=0.1, fail_at=3), every=3)
+    _train(model, opt, cf, cf.restore(), 3)
+    with pytest.raises(PersistError):
+        cf.close()
+
+
+class Counter:
+    """Stands in for a data iterator: its state must come back with the checkpoint."""
+
+    def __init__(self):
+        self.consumed = 0
+
+    def state_dict(self):
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.consumed = state["consumed"]
+
+
+def _full_run(storage, total, crash_at=None):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+    data = Counter()
+    cf = CheckFreq(model=model, optimizer=opt, storage=storage, data=data, extra_state={"sched": sched},
+                   profile_iters=4, epoch_len=20)
+    start = cf.restore()
+    for it in range(start, total):
+        if it == crash_at:
+            cf.close()
+            return None
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(it))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()  # dropout draws from the global RNG
+        opt.step()
+        sched.step()
+        data.consumed += 8
+        cf.step()
+    cf.close()
+    return model, opt, sched, data, cf
+
+
+def test_restore_after_a_crash_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    reference = _full_run(str(tmp_path / "ref"), 40)
+    _full_run(str(tmp_path / "run"), 40, crash_at=27)
+    resumed = _full_run(str(tmp_path / "run"), 40)
+    for a, b in zip(reference[0].state_dict().values(), resumed[0].state_dict().values()):
+        assert torch.equal(a, b)
+    assert reference[2].state_dict() == resumed[2].state_dict()
+    assert resumed[3].consumed == 40 * 8
+    for a, b in zip(reference[1].state_dict()["state"].values(), resumed[1].state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_profile_is_cached_and_reused_after_a_restart(tmp_path):
+    first = _full_run(str(tmp_path), 30)[4]
+    assert first.stats()["profiling_s"] > 0
+    cached = CheckpointStore(str(tmp_path)).read_metadata(PROFILE_NAME)
+    assert cached["decision"]["k"] == first.decision.k
+    second = _full_run(str(tmp_path), 45)[4]
+    assert second.stats()["profiling_s"] == 0.0
+    assert second.profile == first.profile
+
+
+def test_restoring_into_the_wrong_model_or_optimizer_names_the_key(tmp_path):
+    _full_run(str(tmp_path), 25)
+    torch.manual_seed(1)
+    wrong = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 2))
+    cf = CheckFreq(model=wrong, optimizer=torch.optim.AdamW(wrong.parameters()), storage=str(tmp_path),
+                   extra_state={"sched": torch.optim.lr_scheduler.StepLR(torch.optim.SGD(wrong.parameters(), 1), 5)},
+                   data=Counter())
+    with pytest.raises(RestoreMismatchError, match=r"model/3.weight.*\(1, 32\).*\(2, 32\)"):
+        cf.restore()
+    cf.close()
+    torch.manual_seed(1)
+    right = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 1))
+    cf = CheckFreq(model=right, optimizer=torch.optim.SGD(right.parameters(), lr=0.1), storage=str(tmp_path))
+    with pytest.raises(RestoreMismatchError, match="saved by AdamW, loading into SGD"):
+        cf.restore()
+    cf.close()
+
+
+def test_bad_configuration_is_refused_by_name(tmp_path):
+    model, opt = _tiny()
+    with pytest.raises(ValueError, match="overhead=1.5"):
+        CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), overhead=1.5)
+    with pytest.raises(ValueError, match="every=0"):
+        CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), every=0)
+    with pytest.raises(TypeError, match="data: int has no state_dict"):
+        CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), data=5)

@@ -1,0 +1,120 @@
+"""The CheckFreq policy math and the adaptive rate, against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
+from ray_checkfreq.engine.policy import (
+    Profile,
+    choose_interval,
+    choose_mode,
+    critical_overhead_s,
+    interval_overhead,
+    young_daly_interval_s,
+)
+
+GiB = 1024**3
+
+
+def cpu_profile(**overrides) -> Profile:
+    values = dict(iter_s=1.0, update_s=0.2, cpu_copy_s=0.5, persist_s=3.0, size_bytes=100)
+    values.update(overrides)
+    return Profile(**values)
+
+
+def test_cpu_mode_copy_hidden_by_compute_is_free_and_k_waits_for_persist():
+    # To = max(0, 0.5 - (1 - 0.2)) = 0; k = ceil((0.5 + 3 - 0) / 1) = 4
+    decision = choose_interval(cpu_profile(), overhead=0.035)
+    assert (decision.mode, decision.overhead_s, decision.k_min, decision.k_persist, decision.k) == ("cpu", 0.0, 1, 4, 4)
+
+
+def test_the_five_percent_one_unit_example_gives_k_20():
+    # To = 1.5 - (1 - 0.5) = 1 unit; kmin = ceil(1 / (0.05 * 1)) = 20 (not 21 from rounding)
+    profile = cpu_profile(update_s=0.5, cpu_copy_s=1.5, persist_s=2.0)
+    decision = choose_interval(profile, overhead=0.05)
+    assert decision.overhead_s == pytest.approx(1.0)
+    assert (decision.k_min, decision.k_persist, decision.k) == (20, 3, 20)
+    assert decision.expected_overhead == pytest.approx(0.05)
+
+
+def test_gpu_mode_when_the_snapshot_fits_in_spare_memory():
+    profile = cpu_profile(iter_s=0.5, cpu_copy_s=0.4, persist_s=2.0, gpu_copy_s=0.1, size_bytes=10 * GiB,
+                          peak_memory_bytes=60 * GiB, total_memory_bytes=80 * GiB)
+    decision = choose_interval(profile, overhead=0.035)
+    # To = Tg = 0.1; kmin = ceil(0.1 / (0.035 * 0.5)) = 6; k_persist = ceil((0.4 + 2 - 0.1) / 0.5) = 5
+    assert (decision.mode, decision.k_min, decision.k_persist, decision.k) == ("gpu", 6, 5, 6)
+
+
+def test_cpu_mode_when_the_snapshot_does_not_fit():
+    profile = cpu_profile(gpu_copy_s=0.1, size_bytes=30 * GiB, peak_memory_bytes=60 * GiB, total_memory_bytes=80 * GiB)
+    assert choose_mode(profile) == "cpu"
+    assert critical_overhead_s(profile, "cpu") == 0.0
+    assert choose_mode(cpu_profile()) == "cpu"  # no GPU measured
+
+
+def test_young_daly_tightens_k_only_as_far_as_p_allows():
+    profile = cpu_profile(update_s=0.5, cpu_copy_s=1.2, persist_s=40.0)  # To = 0.7, persist needs 41
+    loose = choose_interval(profile, overhead=0.05)
+    assert loose.k == 41 and loose.young_daly_k is None
+    # sqrt(2 * 0.7 * 500) = 26.5 s -> 26 iterations, within p? overhead(26) = (0.7 + 40.5 - 26) / 26 > p
+    tight = choose_interval(profile, overhead=0.05, mtbf_s=500)
+    assert tight.young_daly_k == math.floor(math.sqrt(2 * 0.7 * 500))
+    assert tight.young_daly_k < tight.k <= loose.k
+    assert interval_overhead(profile, 0.7, tight.k) <= 0.05 < interval_overhead(profile, 0.7, tight.k - 1)
+    assert young_daly_interval_s(2.0, 3600) == pytest.approx(120.0)
+
+
+def test_young_daly_can_pull_k_down_when_persist_is_quick():
+    profile = cpu_profile(update_s=0.9, cpu_copy_s=0.1, persist_s=0.5)  # To = 0, k_persist = 1
+    assert choose_interval(profile, mtbf_s=60).k == 1
+
+
+@pytest.mark.parametrize("bad", [dict(iter_s=0), dict(persist_s=-1), dict(size_bytes=-5)])
+def test_invalid_profiles_are_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        cpu_profile(**bad)
+
+
+def test_profile_json_round_trip_and_unknown_fields():
+    profile = cpu_profile(gpu_copy_s=0.25)
+    assert Profile.from_json(profile.to_json()) == profile
+    with pytest.raises(ValueError, match="unknown fields"):
+        Profile.from_json({**profile.to_json(), "extra": 1})
+
+
+def _drive(rate: AdaptiveRate, iterations: int, stall_per_checkpoint) -> list[int]:
+    """A loop with Ti = 1 s whose checkpoints stall ``stall_per_checkpoint(k)`` seconds."""
+    ks = []
+    since = 0
+    for _ in range(iterations):
+        since += 1
+        stall = 0.0
+        if since >= rate.k:
+            since = 0
+            stall = stall_per_checkpoint(rate.k)
+        rate.record(1.0 + stall, stall)
+        ks.append(rate.k)
+    return ks
+
+
+def test_adaptive_rate_raises_under_pressure_and_comes_back_down_without_oscillating():
+    rate = AdaptiveRate(k=10, k_floor=10, overhead=0.035, config=AdaptiveConfig(window_iters=50))
+    calm = _drive(rate, 400, lambda k: 0.2)  # 0.2 / 10 = 2 % < p: stays at the floor
+    assert set(calm) == {10}
+    slow = _drive(rate, 2000, lambda k: 2.0)  # 2 / 10 = 20 %: k must grow until <= p
+    settled = rate.k
+    assert settled > 10 and 2.0 / settled <= 0.035
+    assert len(set(slow[-600:])) == 1, "k settles instead of oscillating"
+    _drive(rate, 3000, lambda k: 0.2)
+    assert rate.k == 10, "k returns to the floor once the pressure is gone"
+    assert rate.history and max(o for o, _ in rate.history[-3:]) <= 0.035
+
+
+def test_adaptive_rate_counts_persist_waits_as_pressure():
+    # a persist that needs 30 s: checkpoints closer than that wait for it
+    rate = AdaptiveRate(k=5, k_floor=5, overhead=0.035)
+    _drive(rate, 4000, lambda k: max(0.0, 30.0 - k) + 0.05)
+    assert rate.k >= 30
