@@ -8,4 +8,6 @@ BENCHMARKS = {
     "store": "ray_checkfreq.bench.store",
     "codec": "ray_checkfreq.bench.codec",
     "iterator": "ray_checkfreq.bench.iterator",
+    "stall": "ray_checkfreq.bench.stall",
+    "overhead": "ray_checkfreq.bench.overhead",
 }

@@ -2,6 +2,11 @@
 
 Overhead is measured per window (at least ``window_iters`` iterations and three
 checkpoints) as stall seconds over the seconds training would have taken without them.
+It is also measured as the window's iteration-time inflation against its quiet
+iterations (those with no checkpoint work in flight), or against ``reference_iter_s``
+(profiled without checkpoints) when too few were quiet; the larger figure counts. That
+catches the cores a background persist takes from training on a CPU-only machine, and
+a quiet reference from the same window follows drifts in the iteration time.
 Above p, k grows to the value predicted to bring overhead to ``raise_to * p``; below
 ``lower_below * p`` for ``patience`` windows in a row, k shrinks to the value predicted
 to bring it to ``lower_to * p``, never below ``k_floor``. The dead band between
@@ -22,6 +27,8 @@ class AdaptiveConfig:
     lower_below: float = 0.5
     lower_to: float = 0.7
     patience: int = 2
+    max_raise_factor: float = 4.0
+    min_quiet_iters: int = 5
     k_max: int = 1_000_000
 
     def __post_init__(self) -> None:
@@ -37,13 +44,15 @@ class AdaptiveConfig:
 class AdaptiveRate:
     """Feed it every iteration's time and stall; it returns a new k when k should change."""
 
-    def __init__(self, *, k: int, k_floor: int, overhead: float, config: AdaptiveConfig | None = None) -> None:
+    def __init__(self, *, k: int, k_floor: int, overhead: float, config: AdaptiveConfig | None = None,
+                 reference_iter_s: float | None = None) -> None:
         if k < 1 or k_floor < 1:
             raise ValueError(f"k={k} and k_floor={k_floor} must be >= 1")
         self.k = max(k, k_floor)
         self.k_floor = k_floor
         self.overhead = overhead
         self.config = config or AdaptiveConfig()
+        self.reference_iter_s = reference_iter_s
         self.last_overhead: float | None = None
         self.history: list[tuple[float, int]] = []  # (window overhead, k after the window)
         self._quiet_windows = 0
@@ -53,16 +62,24 @@ class AdaptiveRate:
         self._iters = 0
         self._iter_s = 0.0
         self._stall_s = 0.0
+        self._quiet: list[float] = []
 
-    def record(self, iter_s: float, stall_s: float) -> int | None:
+    def record(self, iter_s: float, stall_s: float, busy: bool = True) -> int | None:
+        """One iteration: its wall time, its stall, and whether checkpoint work was in flight."""
         self._iters += 1
         self._iter_s += iter_s
         self._stall_s += stall_s
+        if not busy:
+            self._quiet.append(iter_s)
         needed = max(self.config.window_iters, self.config.min_checkpoints_per_window * self.k)
         if self._iters < needed:
             return None
         useful_s = max(self._iter_s - self._stall_s, 1e-12)
         measured = self._stall_s / useful_s
+        reference = self._reference_iter_s()
+        if reference:
+            expected_s = self._iters * reference
+            measured = max(measured, (self._iter_s - expected_s) / expected_s)
         self._reset_window()
         self.last_overhead = measured
         new_k = self._next_k(measured)
@@ -72,11 +89,16 @@ class AdaptiveRate:
         self.k = new_k
         return new_k
 
+    def _reference_iter_s(self) -> float | None:
+        if len(self._quiet) >= self.config.min_quiet_iters:
+            return sum(self._quiet) / len(self._quiet)
+        return self.reference_iter_s
+
     def _next_k(self, measured: float) -> int:
         p = self.overhead
         if measured > p:
             self._quiet_windows = 0
-            target = math.ceil(self.k * measured / (self.config.raise_to * p))
+            target = math.ceil(self.k * min(measured / (self.config.raise_to * p), self.config.max_raise_factor))
             return min(self.config.k_max, max(self.k + 1, target))
         if measured < self.config.lower_below * p and self.k > self.k_floor:
             self._quiet_windows += 1

@@ -113,6 +113,7 @@ class CheckFreq:
         self._profile_until: int | None = None
         self._compress = True
         self._last_step_t: float | None = None
+        self._busy_since_last_step = False
         self._update_started = 0.0
         self._pending_stall = 0.0
         self._iter_samples: list[float] = []
@@ -176,8 +177,9 @@ class CheckFreq:
         now = time.perf_counter()
         self._persist.raise_if_failed()
         self.iteration += 1
+        busy = self._busy_since_last_step or self._persist.busy
         if self._last_step_t is not None:
-            self._observe(now - self._last_step_t, self._pending_stall)
+            self._observe(now - self._last_step_t, self._pending_stall, busy)
         self._pending_stall = 0.0
         if self._profile_until is not None and self.iteration >= self._profile_until:
             self._finish_profiling()  # a one-off cost, reported as profiling_s
@@ -187,15 +189,16 @@ class CheckFreq:
             spent = time.perf_counter() - started
             self._pending_stall += spent
             self._stats.step_overhead_s += spent
+        self._busy_since_last_step = self._persist.busy
         self._last_step_t = time.perf_counter()
 
-    def _observe(self, iter_s: float, stall_s: float) -> None:
+    def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.iterations_timed += 1
         self._stats.iter_time_total_s += iter_s
         if self._profile_until is not None:
             self._iter_samples.append(iter_s)
         elif self._adaptive is not None:
-            new_k = self._adaptive.record(iter_s, stall_s)
+            new_k = self._adaptive.record(iter_s, stall_s, busy)
             if new_k is not None:
                 logger.info("adaptive rate: k %d -> %d (overhead %.2f%%)", self._k, new_k,
                             100 * (self._adaptive.last_overhead or 0))
@@ -305,7 +308,7 @@ class CheckFreq:
         self._next_checkpoint = self.iteration + self._k
         if self.config.adaptive:
             self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k, overhead=self.config.overhead,
-                                          config=self.config.adaptive_config)
+                                          config=self.config.adaptive_config, reference_iter_s=profile.iter_s)
         logger.info("policy: mode=%s k=%d (kmin=%d, persist needs %d)", self.decision.mode, self._k,
                     self.decision.k_min, self.decision.k_persist)
 
