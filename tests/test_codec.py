@@ -192,3 +192,74 @@ def test_explicit_level_round_trips():
     x = torch.randn(50_000)
     for level in (-1, 1, 19):
         assert raw(codec.decode(codec.encode(x, level=level))) == raw(x)
+
+
+# --- layout internals and the decode_into path ------------------------------------------
+
+from ray_checkfreq.codec import grouping  # noqa: E402
+
+
+@settings(max_examples=120, deadline=None)
+@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 70), seed=st.integers(0, 2**31))
+def test_rotation_matches_the_bytewise_definition_and_inverts(width, n, seed):
+    frame = np.random.default_rng(seed).integers(0, 256, n * width, dtype=np.uint8)
+    before = frame.copy()
+    streams = grouping.split(frame, width, rotate=True)
+    grid = before.reshape(-1, width)
+    top, nxt = grid[:, -1].astype(np.uint16), grid[:, -2].astype(np.uint16)
+    assert np.array_equal(streams[-1], ((top << 1) | (nxt >> 7)).astype(np.uint8))  # exponent
+    assert np.array_equal(streams[-2], ((nxt & 0x7F) | (top & 0x80)).astype(np.uint8))  # sign
+    for j in range(width - 2):
+        assert np.array_equal(streams[j], grid[:, j])
+    assert np.array_equal(frame, before)  # split never writes into its input
+    out = np.full_like(frame, 0x5A)
+    grouping.merge_into([s.tobytes() for s in streams], out, width, rotate=True)
+    assert np.array_equal(out, before)
+
+
+def test_float32_exponent_stream_is_the_pure_exponent():
+    x = torch.tensor([1.0, -1.0, 2.0, -0.5, 3.0e-39, -float("inf")])
+    exp = grouping.split(x.view(torch.uint8).numpy(), 4, rotate=True)[-1]
+    assert exp.tolist() == [127, 127, 128, 126, 0, 255]
+
+
+def test_decode_into_reuses_the_buffer_and_checks_it():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40_000, generator=g).to(torch.bfloat16).reshape(200, 200)
+    blob = codec.encode(x, config=codec.CodecConfig(frame_bytes=1 << 14))
+    out = torch.empty_like(x)
+    assert codec.decode_into(blob, out) is out and raw(out) == raw(x)
+    flat = np.zeros(x.numel() * 2, np.uint8)
+    codec.decode_into(blob, flat, threads=2)
+    assert flat.tobytes() == raw(x)
+    a = np.empty((100, 100), np.float32)
+    blob32 = codec.encode(torch.from_numpy(np.arange(10_000, dtype=np.float32).reshape(100, 100)))
+    codec.decode_into(blob32, a)
+    assert np.array_equal(a, np.arange(10_000, dtype=np.float32).reshape(100, 100))
+    base = x.clone()
+    base[::7] += 1
+    delta = codec.encode(x, base=base)
+    codec.decode_into(delta, out.zero_(), base=base)
+    assert raw(out) == raw(x)
+    for bad in (torch.empty(200, 199, dtype=torch.bfloat16), torch.empty_like(x).t(),
+                torch.empty(200, 200, dtype=torch.float16), np.empty(x.numel(), np.int16),
+                np.zeros(x.numel() * 2, np.uint8)[::2], b"\x00" * (x.numel() * 2)):
+        with pytest.raises(codec.CodecError):
+            codec.decode_into(blob, bad)
+
+
+def test_decoded_tensor_owns_ordinary_memory():
+    x = torch.randn(300_000)
+    y = codec.decode(codec.encode(x))
+    assert raw(y) == raw(x) and pickle.loads(pickle.dumps(y)).equal(y)
+    y += 1  # writable, its own memory
+    assert not torch.equal(y, x)
+
+
+def test_incompressible_streams_keep_a_checksum():
+    x = torch.from_numpy(np.random.default_rng(0).integers(0, 2**32, 300_000, dtype=np.uint32))
+    blob = codec.encode(x.view(torch.float32))
+    info = codec.blob_info(blob)
+    assert info["stream_methods"].get("zstd", 0) > 0
+    assert len(blob) < 1.001 * info["raw_bytes"] + 4096
+    assert raw(codec.decode(blob)) == raw(x)

@@ -171,3 +171,44 @@ def test_not_a_blob():
         codec.decode(b"PK\x03\x04 definitely not ours")
     with pytest.raises(codec.CorruptBlobError):
         codec.decode(b"")
+
+
+# --- format version 1 blobs (full-content crc) stay readable ---------------------------
+
+import base64  # noqa: E402
+
+# Written by the version-1 encoder: float32 (arange(96) - 40) * 0.37, frames of 128 bytes,
+# as is and as a delta against a base with every third value + 1.
+V1_FULL = base64.b64decode(
+    "UkNGWgEGB2Zsb2F0MzIBYAAAAAAAAAD/BCAAAAAAAAAAAwAAAKnn+tR0HwjBACAAAAAAIAAAAAAgAAAAARYAAACo"
+    "ObCzrgHXEAAgAAAAACAAAAAAIAAAAAAgAAAAGD0Kqv4egpQAIAAAAAAgAAAAACAAAAABFAAAAGNbSVTNSMM+uDOu"
+    "KaQfmhWQCoUAe/Zx183DuK6kmpCFe3HNuMzh9QoeM0dccIWZrsLX6wAUKD2jzPUeR3CZwusUPcwe7Obg29XPycO9"
+    "t7GrpZ+ZlI6Igvjs4NXJvbGlmY6C7NUotS/9ICBtAAAogoKBgIACAGATM8ACpJB7zaR7pKQApKR7pM17kKS4zXF7"
+    "hZCapK64w83XcfZwwhTMcBRwcABwcBRwzBTCcB7MPRTrwplwRx71zKM9KL2ljuy9jr29AD09Dj1sDiU9VWwCDhkl"
+    "MT1JVWBseAIIgICAf39/fn0AfX5/f3+AgICAgIGBgYGBgYGBgYGBgoJ7AIUKkBWaH6QprjO4PsNIzVLXXHEz9rh7"
+    "PgDDhUgKzRQA69fCrpmFcFxHMx4K9eHMuKOPPTMoHhQKAPXr4dfMDhQZHyUrMTc9Q0lPVVtgZmxyeH4CBQgLDhEU"
+    "FhkcHyIotS/9ICBdAAAYgoKDAgDAEB7AAg==")
+V1_DELTA = base64.b64decode(
+    "UkNGWgEFB2Zsb2F0MzIBYAAAAAAAAAD/BCAAAAAAAAAAAwAAAKnn+tS7hSqiWS1PUgEaAAAAARoAAAAAIAAAAAEV"
+    "AAAAqDmws8Mq7tA19wXXACAAAAAAIAAAAAAgAAAAAR8AAAAYPQqq17dqNBGhCPcBFQAAAAEVAAAAACAAAAABEQAA"
+    "AKt4uikotS/9ICCNAABIAACTAI8AAAAAAgAgwwjAAii1L/0gII0AAEgAAEcAPAAAAAACACDDCMACMAAAEAAAcAAA"
+    "EAAAMAAAEAAA5gAAIAAAIAAA6gAAQAAotS/9ICBlAAAgAAABAAIAgMMIwAIAsAAANAAACgAA9gAAqwAAAAAAAAAA"
+    "AAAAAAAAqwAAAABHAACyAAA3AADIAACqAAAAAAAAAAAAAAAAAACqAAAAAO4AAEgAAJwAAOMAANoAAEAAACAAAGAA"
+    "ACAAAOoAABAotS/9ICC1AAB4AH8AAAEAAIEAfwABAAAAAgDgcACOKLUv/SAgZQAAIAAAewACAODAHcACKLUv/SAg"
+    "ZQAAIAAA5AACAODAHcACAAAwAAAQAABwAAAQAAAQAADzAAAIAAAYAAAIAAA4AAAotS/9ICBFAAAQAAABACLAAg==")
+
+
+def test_version_1_blobs_decode_and_are_checked():
+    x = (torch.arange(96, dtype=torch.float32) - 40) * 0.37
+    base = x.clone()
+    base[::3] += 1
+    assert V1_FULL[4] == 1 and codec.encode(x)[4] == 2
+    assert raw(codec.decode(V1_FULL)) == raw(x)
+    assert raw(codec.decode(V1_DELTA, base=base)) == raw(x)
+    codec.verify(V1_FULL)
+    header = codec.blob_info(V1_FULL)["header_bytes"]
+    for i in range(header, len(V1_FULL), 7):
+        damaged = bytearray(V1_FULL)
+        damaged[i] ^= 0x10
+        with pytest.raises(codec.CorruptBlobError):
+            codec.decode(bytes(damaged))

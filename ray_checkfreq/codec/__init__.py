@@ -1,7 +1,7 @@
 """Model-aware tensor codec: byte grouping + zstd, XOR deltas, near-lossless rounding.
 
 Bytes in, bytes out: no Ray, no torch.distributed, no storage. Public surface:
-:func:`encode`, :func:`decode`, :func:`decode_numpy`, :func:`blob_info`, :func:`verify`,
+:func:`encode`, :func:`decode`, :func:`decode_into`, :func:`decode_numpy`, :func:`blob_info`, :func:`verify`,
 :class:`CodecConfig` and the errors. The blob format is described in
 :mod:`ray_checkfreq.codec.blob`, the near-lossless bound in
 :mod:`ray_checkfreq.codec.nearlossless`.
@@ -11,6 +11,7 @@ from ray_checkfreq.codec.api import (
     CodecConfig,
     blob_info,
     decode,
+    decode_into,
     decode_numpy,
     encode,
     verify,
@@ -24,6 +25,7 @@ __all__ = [
     "CorruptBlobError",
     "blob_info",
     "decode",
+    "decode_into",
     "decode_numpy",
     "encode",
     "verify",

@@ -10,8 +10,15 @@ Layout (little-endian)::
     | header_crc u32 (crc32 of every header byte before it)
     | payload: for each frame, its streams in order
 
-``raw_crc`` is the crc32 of the frame's bytes of the decoded tensor, ``stored_crc`` of the
-frame's stored streams, ``base_crc`` of the frame's bytes of the delta base.
+``stored_crc`` is the crc32 of the frame's stored streams (what :func:`verify` checks),
+``base_crc`` of the frame's bytes of the delta base. ``raw_crc`` depends on the version:
+
+- version 2 (written now): every zstd stream carries zstd's own content checksum (XXH64,
+  checked by zstd while it decompresses) and ``raw_crc`` is the crc32 of the streams
+  stored raw, in order (0 when there are none). Every stored byte is thus covered by a
+  content check, and decode never needs a second pass over the whole output.
+- version 1 (still read): ``raw_crc`` is the crc32 of the frame's bytes of the decoded
+  tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from dataclasses import dataclass
 from ray_checkfreq.codec.errors import CorruptBlobError
 
 MAGIC = b"RCFZ"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 FLAG_DELTA = 1  # stored bytes are x XOR base
 FLAG_ROTATE = 2  # float sign bit rotated next to the mantissa before grouping
@@ -56,6 +64,7 @@ class Header:
     width: int
     frame_elems: int
     frames: tuple[FrameEntry, ...]
+    version: int = VERSION  # pack() always writes VERSION
 
     @property
     def is_delta(self) -> bool:
@@ -100,9 +109,9 @@ def unpack(blob) -> tuple[Header, int]:
     r = _Reader(view)
     r.pos = 4
     version, flags, name_len = r.take("<BBB")
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise CorruptBlobError(f"codec blob format version {version} is not supported "
-                               f"(this build reads version {VERSION})")
+                               f"(this build reads versions {READABLE_VERSIONS})")
     (name,) = r.take(f"<{name_len}s")
     (ndim,) = r.take("<B")
     shape = r.take(f"<{ndim}Q")
@@ -126,7 +135,8 @@ def unpack(blob) -> tuple[Header, int]:
         raise CorruptBlobError("codec blob names an unreadable dtype") from None
     header = Header(flags=flags, dtype=dtype, shape=tuple(shape),
                     precision_bits=None if precision == NO_PRECISION else precision,
-                    width=width, frame_elems=frame_elems, frames=tuple(frames))
+                    width=width, frame_elems=frame_elems, frames=tuple(frames),
+                    version=version)
     payload = sum(f.stored_len for f in frames)
     if r.pos + payload != len(view):
         raise CorruptBlobError(f"codec blob holds {len(view) - r.pos} payload bytes, its "

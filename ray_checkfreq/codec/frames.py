@@ -9,7 +9,7 @@ import numpy as np
 import zstandard
 
 from ray_checkfreq.codec import grouping, nearlossless, zstdparams
-from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, FrameEntry
+from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, VERSION, FrameEntry
 from ray_checkfreq.codec.dtypes import DtypeInfo
 from ray_checkfreq.codec.errors import BaseMismatchError, CorruptBlobError
 
@@ -57,19 +57,23 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     data = src[lo:hi]
     if plan.precision_bits is not None:
         data = nearlossless.round_frame(data, plan.info, plan.precision_bits)
-    raw_crc = zlib.crc32(data)
     base_crc = 0
     if base is not None:
         base_crc = zlib.crc32(base[lo:hi])
         data = _xor(data, base[lo:hi], plan.info.unit_bytes)
     streams = grouping.split(data, plan.width, rotate=plan.rotate)
-    stored, table, crc = [], [], 0
+    stored, table, crc, raw_crc = [], [], 0, 0
     for j, stream in enumerate(streams):
         packed = zstdparams.compressor(plan.stream_key(j)).compress(stream)
-        if len(packed) < stream.nbytes:
+        # A stream zstd cannot shrink still goes in a zstd frame (stored blocks) when that
+        # costs under 1/4096 of it: decoding it is then a copy plus zstd's XXH64 check,
+        # measured ~3x cheaper than the crc32 a raw stream needs.
+        if len(packed) <= stream.nbytes + (stream.nbytes >> 12):
             item, method = packed, METHOD_ZSTD
         else:
+            # zstd's checksum covers the other streams; this one needs its own.
             item, method = stream, METHOD_RAW
+            raw_crc = zlib.crc32(item, raw_crc)
         crc = zlib.crc32(item, crc)
         stored.append(item)
         table.append((method, len(memoryview(item).cast("B"))))
@@ -78,42 +82,55 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
 
 
 def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset: int,
-                 out: np.ndarray, base: np.ndarray | None, i: int) -> None:
-    """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it."""
+                 out: np.ndarray, base: np.ndarray | None, i: int, version: int = VERSION) -> None:
+    """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it.
+
+    Format version 2: zstd checks each compressed stream's content checksum while it
+    decompresses, and the streams stored raw are checked against ``raw_crc`` here, so no
+    pass over the decoded frame is needed. Version 1: ``raw_crc`` covers the decoded frame.
+    The stored crc is left to verify(): the content checks already reject any damage.
+    """
     lo, hi = plan.bounds(i)
     if base is not None and zlib.crc32(base[lo:hi]) != entry.base_crc:
         raise BaseMismatchError(
             "decode was given a different base than the one this delta blob was encoded "
             f"against (base checksum mismatch in frame {i}); pass the exact tensor that "
             "was given as base= to encode")
-    # The stored crc is left to verify(): the content crc below already rejects any
-    # damage, and checking both would cost a second pass over the frame.
     stored = payload[offset:offset + entry.stored_len]
     stream_len = (hi - lo) // plan.width
-    streams, pos = [], 0
+    streams, pos, raw_crc = [], 0, 0
     for method, n in entry.streams:
         chunk = stored[pos:pos + n]
         pos += n
         if method == METHOD_ZSTD:
-            chunk = _decompress(chunk, stream_len, i)
+            chunk = _decompress(chunk, stream_len, i, version)
         elif method != METHOD_RAW or n != stream_len:
             raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
+        elif version >= 2:
+            raw_crc = zlib.crc32(chunk, raw_crc)
         streams.append(chunk)
+    if version >= 2 and raw_crc != entry.raw_crc:
+        raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
+                               "stream stored raw)")
     target = out[lo:hi]
     grouping.merge_into(streams, target, plan.width, rotate=plan.rotate)
     if base is not None:
         utype = _UNSIGNED[plan.info.unit_bytes]
         np.bitwise_xor(target.view(utype), base[lo:hi].view(utype), out=target.view(utype))
-    if zlib.crc32(target) != entry.raw_crc:
+    if version < 2 and zlib.crc32(target) != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} decoded to wrong bytes "
                                "(content checksum mismatch)")
 
 
-def _decompress(chunk: memoryview, expected: int, i: int) -> bytes:
+def _decompress(chunk: memoryview, expected: int, i: int, version: int) -> bytes:
     try:
-        if zstandard.frame_content_size(chunk) != expected:
+        params = zstandard.get_frame_parameters(chunk)
+        if params.content_size != expected:
             raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
-        data = zstdparams.decompressor().decompress(chunk)
+        if version >= 2 and not params.has_checksum:
+            raise CorruptBlobError(f"codec blob frame {i} has a stream without checksum")
+        # allow_extra_data=False: a damaged header must not hide the trailing checksum.
+        data = zstdparams.decompressor().decompress(chunk, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptBlobError(f"codec blob frame {i} does not decompress: {exc}") from None
     if len(data) != expected:
