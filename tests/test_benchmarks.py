@@ -1,0 +1,48 @@
+"""Every benchmark runs end to end on a tiny input and writes the figures it prints.
+
+These are not speed checks (the figures come from full-size runs, in the README); they
+keep the benchmark commands working.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ray_checkfreq.cli import main
+
+
+def test_bench_store(tmp_path, capsys):
+    out = tmp_path / "store.json"
+    assert main(["bench", "store", "--size-mb", "4", "--repeat", "1", "--s3", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["results"]
+    assert set(figures) == {"local", "s3"} and all(v > 0 for v in figures["local"].values())
+    assert "ray_checkfreq" in capsys.readouterr().out
+
+
+def test_bench_stall(tmp_path):
+    out = tmp_path / "stall.json"
+    assert main(["bench", "stall", "--params-m", "1", "--batch", "8", "--every", "2", "--checkpoints", "2",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 4 and all(r["stall_s"] >= 0 for r in results.values())
+
+
+def test_bench_overhead(tmp_path):
+    out = tmp_path / "overhead.json"
+    assert main(["bench", "overhead", "--iterations", "80", "--phase-iters", "60", "--width", "64",
+                 "--slow-s", "0.05", "--epoch-len", "200", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["overhead"]["checkpoints"] >= 1
+    assert len(figures["adaptive"]["overhead_per_phase"]) == 3
+
+
+def test_bench_codec_on_a_given_file(tmp_path):
+    from safetensors.torch import save_file
+
+    source = tmp_path / "tiny.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(300)}, str(source))
+    out = tmp_path / "codec.json"
+    assert main(["bench", "codec", "--input", str(source), "--repeats", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())
