@@ -23,8 +23,8 @@ class UnsupportedStateError(CheckFreqError, TypeError):
         return f"cannot checkpoint state at {self.key_path!r}: {self.reason}"
 
 
-class CorruptCheckpointError(CheckFreqError):
-    """A stored checkpoint failed verification; names the file and the fault."""
+class LocatedError(CheckFreqError):
+    """An error about one file, object or bucket: ``"<location>: <reason>"``."""
 
     def __init__(self, location: str, reason: str) -> None:
         super().__init__(location, reason)
@@ -33,19 +33,15 @@ class CorruptCheckpointError(CheckFreqError):
 
     def __str__(self) -> str:
         return f"{self.location}: {self.reason}"
+
+
+class CorruptCheckpointError(LocatedError):
+    """A stored checkpoint failed verification; names the file and the fault."""
 
 
 class CheckpointNotFoundError(CheckFreqError, LookupError):
     """No committed checkpoint matches the request."""
 
 
-class StorageError(CheckFreqError):
+class StorageError(LocatedError):
     """Storage refused an operation (missing bucket, bad credentials, full disk, ...)."""
-
-    def __init__(self, location: str, reason: str) -> None:
-        super().__init__(location, reason)
-        self.location = location
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.location}: {self.reason}"

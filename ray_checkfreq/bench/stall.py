@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ray_checkfreq.engine import CheckFreq
+from ray_checkfreq.engine.snapshot import tensors_in
 from ray_checkfreq.storage import CheckpointStore
 
 
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="rcf-stall-")
     iterations = args.every * args.checkpoints
     run_loop(model, opt, inputs, 2, args.every, None)  # warm-up: Adam state allocated
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(_state(model, opt)))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors_in(_state(model, opt)))
     baseline = run_loop(model, opt, inputs, iterations, args.every, None)
     step_s = baseline / iterations
     factories: list[Callable[[], Method]] = [
@@ -229,16 +230,6 @@ def _print(params: int, state_bytes: int, step_s: float, args: argparse.Namespac
     for name, fig in results.items():
         ratio = fig["stall_s"] / two_phase if two_phase > 0 else float("inf")
         print(f"{name:<26} {fig['stall_s'] * 1e3:>8.1f} ms {ratio:>12.1f}x {fig['slowdown_s'] * 1e3:>11.0f} ms")
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _clean(root: str) -> None:

@@ -26,7 +26,7 @@ from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
 from ray_checkfreq.engine.persist import PersistResult, PersistWorker
 from ray_checkfreq.engine.policy import Decision, Profile, choose_interval
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
-from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter, tensors_in
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
@@ -296,7 +296,7 @@ class CheckFreq:
         self.store.write_metadata(PROFILE_NAME, {"profile": profile.to_json(), "decision": vars(self.decision)})
 
     def _live_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters()) + _tensors(self.optimizer.state_dict()["state"])
+        return list(self.model.parameters()) + tensors_in(self.optimizer.state_dict()["state"])
 
     def _apply_profile(self, profile: Profile) -> None:
         self.profile = profile
@@ -445,13 +445,3 @@ def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:
     gpu_copy_s = time.perf_counter() - start
     del copies
     return {"gpu_copy_s": gpu_copy_s, "peak_memory_bytes": peak, "total_memory_bytes": total}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []

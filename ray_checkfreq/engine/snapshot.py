@@ -199,3 +199,14 @@ def _plain_copy(value: Any) -> Any:
     if hasattr(value, "copy") and type(value).__module__ == "numpy":
         return value.copy()
     return value
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
