@@ -1,0 +1,148 @@
+"""The index core: lockstep sharding of an epoch order, and the iterator state.
+
+Lockstep rule. With per-rank batch size B and world size W, the global batch size is
+G = B * W. From the epoch position ``start`` (global samples already consumed), global
+batch g covers positions [start + g*G, start + (g+1)*G) and rank r takes the r-th run of
+B positions. Every rank therefore knows, on its own, the global count after each of its
+batches (start + (g+1)*G): no communication is needed to agree on the state, and the
+states of all ranks after the same step are equal.
+
+Last partial global batch (p = num_samples - consumed < G samples left):
+- drop_last=False: the p positions are split into W contiguous near-equal pieces
+  (the first p % W ranks get one more); a rank whose piece is empty (p < W) yields no
+  batch for it. After it the epoch is complete.
+- drop_last=True: the p samples are not used this epoch.
+Both rules use the G in force when the remainder is reached, so after a resize the
+epoch ends where the new world size says: a state saved under W=4 that still has
+p >= 3*B samples left continues with full batches on W=3.
+
+An epoch is complete when nothing is left (or, with drop_last, less than G): the state
+then reads (epoch + 1, consumed 0), so a checkpoint taken right after the last batch
+resumes with the next epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from ray_checkfreq.errors import CheckFreqError
+
+STATE_VERSION = 1
+
+
+class DataStateError(CheckFreqError, ValueError):
+    """A saved iterator state does not fit this iterator; names the field and values."""
+
+    def __init__(self, field: str, saved: Any, expected: Any) -> None:
+        super().__init__(field, saved, expected)
+        self.field = field
+        self.saved = saved
+        self.expected = expected
+
+    def __str__(self) -> str:
+        return (
+            f"iterator state field {self.field!r} is {self.saved!r}, "
+            f"but this iterator has {self.expected!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    batch_size: int
+    world_size: int = 1
+    rank: int = 0
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def epoch_done(self, num_samples: int, consumed: int) -> bool:
+        left = num_samples - consumed
+        return left <= 0 or (self.drop_last and left < self.global_batch)
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """This rank's epoch positions [lo, hi) and the global count once it is consumed."""
+
+    lo: int
+    hi: int
+    consumed_after: int
+
+
+def rank_slices(sharding: Sharding, num_samples: int, start: int) -> Iterator[RankSlice]:
+    """This rank's batches from epoch position ``start`` to the end of the epoch."""
+    b, g, r = sharding.batch_size, sharding.global_batch, sharding.rank
+    pos = start
+    while num_samples - pos >= g:
+        yield RankSlice(pos + r * b, pos + (r + 1) * b, pos + g)
+        pos += g
+    left = num_samples - pos
+    if left <= 0 or sharding.drop_last:
+        return
+    q, extra = divmod(left, sharding.world_size)
+    lo = pos + r * q + min(r, extra)
+    hi = lo + q + (1 if r < extra else 0)
+    if hi > lo:
+        yield RankSlice(lo, hi, num_samples)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataState:
+    """Where the data stream stands: a few integers (plus what checks they fit)."""
+
+    epoch: int
+    consumed: int
+    num_samples: int
+    seed: int
+    order: str
+    world_size: int
+    batch_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "order": self.order,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], *, expect: "DataState") -> "DataState":
+        """Validate a saved state against this iterator (``expect``) and parse it."""
+        if not isinstance(state, Mapping):
+            raise DataStateError("<state>", type(state).__name__, "a mapping")
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise DataStateError("version", version, STATE_VERSION)
+        for key in ("num_samples", "seed", "order"):
+            if state.get(key) != getattr(expect, key):
+                raise DataStateError(key, state.get(key), getattr(expect, key))
+        epoch, consumed = state.get("epoch"), state.get("consumed")
+        if not isinstance(epoch, int) or epoch < 0:
+            raise DataStateError("epoch", epoch, "an integer >= 0")
+        if not isinstance(consumed, int) or not 0 <= consumed <= expect.num_samples:
+            raise DataStateError("consumed", consumed, f"an integer in [0, {expect.num_samples}]")
+        return cls(
+            epoch=epoch,
+            consumed=consumed,
+            num_samples=expect.num_samples,
+            seed=expect.seed,
+            order=expect.order,
+            world_size=int(state.get("world_size", expect.world_size)),
+            batch_size=int(state.get("batch_size", expect.batch_size)),
+        )

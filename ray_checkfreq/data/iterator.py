@@ -1,0 +1,113 @@
+"""The resumable iterator protocol shared by every front end.
+
+A front end supplies the epoch order and turns this rank's position slices into
+batches (``_produce``); the base class owns the cursor. The cursor moves when a batch
+is handed to the caller, not when a loader prefetches it, so ``state_dict()`` taken
+after receiving batch i always resumes at batch i + 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterator, Mapping
+
+from ray_checkfreq.data.core import DataState, RankSlice, Sharding, rank_slices
+from ray_checkfreq.data.order import Order
+
+
+class ResumableIterator:
+    """Iterates one epoch per ``iter()``; ``state_dict`` / ``load_state_dict`` resume it."""
+
+    def __init__(self, *, num_samples: int, sharding: Sharding, seed: int, shuffle: bool) -> None:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.num_samples = num_samples
+        self.sharding = sharding
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._consumed = 0
+        self._generation = 0
+
+    # -- what a front end provides ------------------------------------------------
+    def _order(self, epoch: int) -> Order:
+        raise NotImplementedError
+
+    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[Any]:
+        """Yield one batch per slice, in order."""
+        raise NotImplementedError
+
+    # -- public protocol ----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def consumed(self) -> int:
+        """Global samples (all ranks) consumed in the current epoch."""
+        return self._consumed
+
+    def __iter__(self) -> Iterator[Any]:
+        self._generation += 1
+        return self._run(self._generation)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state(self._epoch, self._consumed).to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore; the next ``iter()`` continues that epoch at its next sample."""
+        parsed = DataState.from_dict(state, expect=self._state(0, 0))
+        self._generation += 1  # a generator started before the restore stops
+        self._epoch, self._consumed = parsed.epoch, parsed.consumed
+        self._roll_if_done()
+
+    # -- internals ------------------------------------------------------------------
+    def _state(self, epoch: int, consumed: int) -> DataState:
+        return DataState(
+            epoch=epoch,
+            consumed=consumed,
+            num_samples=self.num_samples,
+            seed=self.seed,
+            order=self._order(0).fingerprint(),
+            world_size=self.sharding.world_size,
+            batch_size=self.sharding.batch_size,
+        )
+
+    def _roll_if_done(self) -> None:
+        if self.sharding.epoch_done(self.num_samples, self._consumed):
+            self._epoch += 1
+            self._consumed = 0
+
+    def _run(self, generation: int) -> Iterator[Any]:
+        epoch = self._epoch
+        slices = list(rank_slices(self.sharding, self.num_samples, self._consumed))
+        if slices:
+            batches = self._produce(self._order(epoch), epoch, slices)
+            try:
+                for piece, batch in zip(slices, batches):
+                    if generation != self._generation:
+                        return
+                    self._consumed = piece.consumed_after
+                    self._roll_if_done()
+                    yield batch
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+        if generation == self._generation and self._epoch == epoch:
+            # this rank had no piece of the last partial global batch
+            self._epoch, self._consumed = epoch + 1, 0
+
+
+def wants_keys(transform: Callable[..., Any]) -> bool:
+    """True when ``transform`` takes a second positional argument (the sample keys)."""
+    try:
+        params = inspect.signature(transform).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
