@@ -1,21 +1,30 @@
 """``ray-checkfreq bench overhead``: overhead at the policy's k, and the adaptive rate.
 
-Part 1: the same loop with and without CheckFreq (p = ``--overhead``), the policy choosing
-k after its profiling window; prints the measured overhead (with and without the one-off
-profiling), k and checkpoints per epoch.
+Iteration times drift by several percent between runs on a shared machine, more than
+the 3.5 % to be measured. So every figure here comes from one interleaved run: two
+identical models train in alternating blocks of ``--block`` iterations, one with
+CheckFreq and one without, and overhead = time(with) / time(without) - 1 over the same
+stretch of wall-clock time. At each switch from the CheckFreq block, ``cf.flush()`` lets
+the in-flight checkpoint finish so that it does not run under the baseline's block (that
+wait is not counted; at most one persist per block).
 
-Part 2 (the paper's Table 5, both directions): storage is slowed down (``--slow-s`` extra
-seconds per checkpoint write) for the middle third of the run, then restored. A fixed k
-(the policy's first choice, never adapted) is compared with the adaptive rate: overhead
-per phase and k at the end of each phase.
+Part 1: p = ``--overhead``, the policy choosing k after its profiling window; prints the
+overhead, k and checkpoints per epoch.
+
+Part 2 (the paper's Table 5, both directions): storage is slowed (``--slow-s`` extra
+seconds per checkpoint write) in the middle third of the run, then restored. The adaptive
+rate against a fixed k (the k the adaptive run had settled on by the end of phase 1):
+overhead per phase, and k at the end of each phase.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -24,11 +33,12 @@ from ray_checkfreq.storage import CheckpointStore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=900, help="iterations per run (part 1)")
+    parser.add_argument("--iterations", type=int, default=1500, help="CheckFreq iterations in part 1")
     parser.add_argument("--epoch-len", type=int, default=1000, help="iterations per epoch")
     parser.add_argument("--overhead", type=float, default=0.035, help="allowed overhead p")
     parser.add_argument("--width", type=int, default=1024, help="MLP width (sets model size and step time)")
-    parser.add_argument("--phase-iters", type=int, default=600, help="iterations per phase (part 2)")
+    parser.add_argument("--block", type=int, default=100, help="iterations per interleaved block")
+    parser.add_argument("--phase-iters", type=int, default=1200, help="CheckFreq iterations per phase (part 2)")
     parser.add_argument("--slow-s", type=float, default=0.6, help="extra seconds per write while storage is slow")
     parser.add_argument("--json", default=None, help="write the figures to this file")
 
@@ -46,91 +56,111 @@ class ThrottledStore(CheckpointStore):
         return ref
 
 
-def _model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, 16))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-4), torch.randn(64, width)
+class Trainer:
+    """One model + optimizer + batch, stepping with or without CheckFreq."""
 
+    def __init__(self, width: int) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 16))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.inputs = torch.randn(64, width)
+        self.cf: CheckFreq | None = None
 
-def _step(model, opt, inputs) -> None:
-    opt.zero_grad(set_to_none=False)
-    model(inputs).square().mean().backward()
-    opt.step()
+    def twin(self) -> "Trainer":
+        other = copy.copy(self)
+        other.model = copy.deepcopy(self.model)
+        other.opt = torch.optim.Adam(other.model.parameters(), lr=1e-4)
+        other.cf = None
+        return other
 
-
-def _timed_loop(model, opt, inputs, iterations: int, cf: CheckFreq | None, marks: dict | None = None) -> list[float]:
-    """Per-iteration wall times; ``marks[i]`` runs before iteration i (a phase change)."""
-    times = []
-    for it in range(iterations):
-        if marks and it in marks:
-            marks[it]()
+    def run(self, iterations: int) -> float:
         start = time.perf_counter()
-        _step(model, opt, inputs)
-        if cf is not None:
-            cf.step()
-        times.append(time.perf_counter() - start)
-    return times
+        for _ in range(iterations):
+            self.opt.zero_grad(set_to_none=False)
+            self.model(self.inputs).square().mean().backward()
+            self.opt.step()
+            if self.cf is not None:
+                self.cf.step()
+        return time.perf_counter() - start
+
+
+def interleaved(plain: Trainer, checked: Trainer, iterations: int, block: int,
+                before_block: Callable[[int], None] | None = None) -> list[tuple[float, float]]:
+    """Alternate blocks; returns (seconds without, seconds with) per block pair."""
+    pairs = []
+    done = 0
+    while done < iterations:
+        n = min(block, iterations - done)
+        if before_block:
+            before_block(done)
+        with_cf = checked.run(n)
+        checked.cf.flush()
+        without = plain.run(n)
+        pairs.append((without, with_cf))
+        done += n
+    return pairs
+
+
+def _overhead(pairs: list[tuple[float, float]]) -> float:
+    without = sum(p[0] for p in pairs)
+    return sum(p[1] for p in pairs) / without - 1
 
 
 def part_overhead(args: argparse.Namespace, root: str) -> dict:
-    model, opt, inputs = _model(args.width)
-    _timed_loop(model, opt, inputs, 20, None)
-    before = sum(_timed_loop(model, opt, inputs, args.iterations, None))
-    cf = CheckFreq(model=model, optimizer=opt, storage=f"{root}/overhead", overhead=args.overhead,
-                   epoch_len=args.epoch_len)
-    cf.restore()
-    with_cf = sum(_timed_loop(model, opt, inputs, args.iterations, cf))
-    cf.close()
-    after = sum(_timed_loop(model, opt, inputs, args.iterations, None))
-    baseline = (before + after) / 2
-    stats = cf.stats()
+    plain = Trainer(args.width)
+    checked = plain.twin()
+    plain.run(30)
+    checked.run(30)
+    checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=f"{root}/overhead",
+                           overhead=args.overhead, epoch_len=args.epoch_len)
+    checked.cf.restore()
+    window = checked.cf.config.profiling_window() + 1
+    profiling = interleaved(plain, checked, window, window)  # the one-off profiling, apart
+    pairs = interleaved(plain, checked, args.iterations - window, args.block)
+    checked.cf.close()
+    stats = checked.cf.stats()
     return {
-        "baseline_s": baseline,
-        "checkfreq_s": with_cf,
-        "profiling_s": stats["profiling_s"],
-        "overhead": (with_cf - stats["profiling_s"] - baseline) / baseline,
-        "overhead_with_profiling": (with_cf - baseline) / baseline,
+        "iterations": args.iterations,
+        "iter_s": sum(p[0] for p in pairs) / (args.iterations - window),
+        "overhead": _overhead(pairs),
+        "overhead_with_profiling": _overhead(pairs + profiling),
+        "overhead_last_half": _overhead(pairs[len(pairs) // 2:]),
+        "engine_estimate": stats["overhead_estimate"],
+        "policy_k": checked.cf.decision.k,
         "k": stats["k"],
-        "policy_k": cf.decision.k,
+        "k_changes": stats["k_changes"],
         "mode": stats["mode"],
         "compress": stats["compress"],
         "checkpoints": stats["checkpoints_committed"],
         "checkpoints_per_epoch": args.epoch_len / stats["k"],
-        "k_changes": stats["k_changes"],
+        "stall_s_per_checkpoint": stats["stall_s_per_checkpoint"],
     }
 
 
-def part_adaptive(args: argparse.Namespace, root: str, adaptive: bool) -> dict:
-    model, opt, inputs = _model(args.width)
-    _timed_loop(model, opt, inputs, 20, None)
-    reference = sum(_timed_loop(model, opt, inputs, 200, None)) / 200
-    store = ThrottledStore(f"{root}/adaptive-{adaptive}", keep_last=2)
+def part_adaptive(args: argparse.Namespace, root: str, every: int | None) -> dict:
+    """``every=None``: the adaptive rate; else a fixed k."""
+    plain = Trainer(args.width)
+    checked = plain.twin()
+    plain.run(30)
+    checked.run(30)
+    store = ThrottledStore(f"{root}/adaptive-{every}", keep_last=2)
     store.extra_s = args.slow_s
-    cf = CheckFreq(model=model, optimizer=opt, storage=store, overhead=args.overhead, epoch_len=args.epoch_len,
-                   adaptive=adaptive)
-    cf.restore()
+    checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=store, overhead=args.overhead,
+                           epoch_len=args.epoch_len, every=every)
+    checked.cf.restore()
+    if every is None:
+        window = checked.cf.config.profiling_window() + 1
+        interleaved(plain, checked, window, window)
     n = args.phase_iters
-    ks: list[int] = []
-
-    def phase(slow: bool):
-        def change():
-            ks.append(cf.stats()["k"])
-            store.slow = slow
-        return change
-
-    times = _timed_loop(model, opt, inputs, 3 * n, cf, marks={n: phase(True), 2 * n: phase(False)})
-    ks.append(cf.stats()["k"])
-    cf.close()
-    skip = cf.config.profiling_window() + 1
-    phases = [times[skip:n], times[n:2 * n], times[2 * n:]]
-    return {
-        "adaptive": adaptive,
-        "reference_iter_s": reference,
-        "overhead_per_phase": [sum(p) / (len(p) * reference) - 1 for p in phases],
-        "k_at_phase_end": ks,
-        "k_changes": cf.stats()["k_changes"],
-    }
+    phases, ks = [], []
+    for slow in (False, True, False):
+        store.slow = slow
+        phases.append(_overhead(interleaved(plain, checked, n, args.block)))
+        ks.append(checked.cf.stats()["k"])
+    checked.cf.close()
+    return {"adaptive": every is None, "overhead_per_phase": phases, "k_at_phase_end": ks,
+            "k_changes": checked.cf.stats()["k_changes"]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--overhead {args.overhead}: must be a fraction in (0, 1)")
     root = tempfile.mkdtemp(prefix="rcf-overhead-")
     first = part_overhead(args, root)
-    fixed = part_adaptive(args, root, adaptive=False)
-    adaptive = part_adaptive(args, root, adaptive=True)
+    adaptive = part_adaptive(args, root, every=None)
+    # the fixed k is the one the adaptive run had settled on under normal storage
+    fixed = part_adaptive(args, root, every=adaptive["k_at_phase_end"][0])
     _print(args, first, fixed, adaptive)
     if args.json:
         with open(args.json, "w") as f:
@@ -148,13 +179,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(args: argparse.Namespace, first: dict, fixed: dict, adaptive: dict) -> None:
-    print(f"part 1: p = {args.overhead:.1%}, {args.iterations} iterations, epoch = {args.epoch_len} iterations")
-    print(f"  baseline {first['baseline_s']:.2f} s, with CheckFreq {first['checkfreq_s']:.2f} s "
-          f"(profiling {first['profiling_s']:.2f} s once)")
-    print(f"  mode {first['mode']}, compression {'on' if first['compress'] else 'off'}, policy k {first['policy_k']}, "
-          f"final k {first['k']}, {first['checkpoints']} checkpoints, {first['checkpoints_per_epoch']:.0f} per epoch")
-    print(f"  overhead {first['overhead']:.2%} (with the one-off profiling: {first['overhead_with_profiling']:.2%})")
-    print(f"part 2: storage {args.slow_s:.1f} s slower per write during phase 2; {args.phase_iters} iterations a phase")
+    print(f"part 1: p = {args.overhead:.1%}; {first['iterations']} iterations of {first['iter_s'] * 1e3:.1f} ms, "
+          f"interleaved with a baseline in blocks of {args.block}; epoch = {args.epoch_len} iterations")
+    print(f"  mode {first['mode']}, compression {'on' if first['compress'] else 'off'}; policy k {first['policy_k']}, "
+          f"adapted to {first['k']} (changes at iteration: {first['k_changes']})")
+    print(f"  {first['checkpoints']} checkpoints, {first['checkpoints_per_epoch']:.0f} per epoch at the final k; "
+          f"stall {first['stall_s_per_checkpoint'] * 1e3:.1f} ms per checkpoint")
+    print(f"  overhead {first['overhead']:.2%} (second half: {first['overhead_last_half']:.2%}; "
+          f"with the one-off profiling: {first['overhead_with_profiling']:.2%}; "
+          f"the engine's own estimate: {first['engine_estimate']:.2%})")
+    print(f"part 2: storage {args.slow_s:.1f} s slower per write in phase 2; {args.phase_iters} iterations a phase")
     print(f"  {'':<10} {'phase 1 (normal)':>18} {'phase 2 (slow)':>18} {'phase 3 (normal)':>18}")
     for name, result in (("fixed k", fixed), ("adaptive", adaptive)):
         cells = [f"{o:>7.1%}  k={k:<5}" for o, k in zip(result["overhead_per_phase"], result["k_at_phase_end"])]

@@ -2,7 +2,9 @@
 
 Same state, same run: a model-like dict of float32 tensors of ``--size-mb`` in total.
 Local disk: CheckpointStore.save (fsync + commit) vs ``torch.save`` + fsync, and
-CheckpointStore.load (checksums verified) vs ``torch.load(weights_only=True)``.
+CheckpointStore.load (checksums verified) vs ``torch.load(weights_only=True)``. Every
+save is a full checkpoint (``full_every=1``: an XOR delta of an unchanged state would
+be nearly empty and flatter the figures), once stored raw and once compressed.
 S3 (``--s3``): a moto server on 127.0.0.1 started here; CheckpointStore over boto3 vs
 ``torch.save`` into memory + one ``upload_fileobj``, and download + ``torch.load``.
 """
@@ -67,18 +69,28 @@ def _torch_save_fsync(state: dict, path: str) -> None:
         os.fsync(f.fileno())
 
 
+CODECS = ("raw", "rcfz")
+
+
+def _ours(open_store: Callable[[str], CheckpointStore], state: dict, repeat: int) -> dict:
+    figures = {}
+    for codec in CODECS:
+        store = open_store(codec)
+        steps = iter(range(10**9))
+        figures[f"{codec}_save_s"] = _median_seconds(lambda: store.save(next(steps), state), repeat)
+        figures[f"{codec}_load_s"] = _median_seconds(lambda: store.load(), repeat)
+        figures[f"{codec}_stored_bytes"] = store.latest().size_bytes
+    return figures
+
+
 def bench_local(state: dict, root: str, repeat: int) -> dict:
-    store_dir = os.path.join(root, "store")
-    store = CheckpointStore(store_dir, keep_last=1)
     pt_path = os.path.join(root, "baseline.pt")
-    steps = iter(range(10**9))
-    figures = {
-        "ours_save_s": _median_seconds(lambda: store.save(next(steps), state), repeat),
-        "torch_save_fsync_s": _median_seconds(lambda: _torch_save_fsync(state, pt_path), repeat),
-        "ours_load_s": _median_seconds(lambda: store.load(), repeat),
-        "torch_load_s": _median_seconds(lambda: torch.load(pt_path, weights_only=True), repeat),
-    }
-    shutil.rmtree(store_dir, ignore_errors=True)
+    figures = _ours(lambda codec: CheckpointStore(os.path.join(root, codec), keep_last=1, codec=codec,
+                                                  full_every=1), state, repeat)
+    figures["torch_save_s"] = _median_seconds(lambda: _torch_save_fsync(state, pt_path), repeat)
+    figures["torch_load_s"] = _median_seconds(lambda: torch.load(pt_path, weights_only=True), repeat)
+    for codec in CODECS:
+        shutil.rmtree(os.path.join(root, codec), ignore_errors=True)
     return figures
 
 
@@ -104,8 +116,7 @@ def bench_s3(state: dict, repeat: int) -> dict:
         client.create_bucket(Bucket="bench")
         from ray_checkfreq.storage import S3Options
 
-        store = CheckpointStore("s3://bench/ours", keep_last=1, s3=S3Options(endpoint_url=endpoint))
-        steps = iter(range(10**9))
+        options = S3Options(endpoint_url=endpoint)
 
         def torch_upload() -> None:
             buffer = io.BytesIO()
@@ -119,24 +130,28 @@ def bench_s3(state: dict, repeat: int) -> dict:
             buffer.seek(0)
             torch.load(buffer, weights_only=True)
 
-        return {
-            "ours_save_s": _median_seconds(lambda: store.save(next(steps), state), repeat),
-            "torch_save_fsync_s": _median_seconds(torch_upload, repeat),
-            "ours_load_s": _median_seconds(lambda: store.load(), repeat),
-            "torch_load_s": _median_seconds(torch_download, repeat),
-        }
+        figures = _ours(lambda codec: CheckpointStore(f"s3://bench/{codec}", keep_last=1, codec=codec,
+                                                      full_every=1, s3=options), state, repeat)
+        figures["torch_save_s"] = _median_seconds(torch_upload, repeat)
+        figures["torch_load_s"] = _median_seconds(torch_download, repeat)
+        return figures
     finally:
         server.stop()
 
 
 def _print_table(size_mb: int, results: dict[str, dict]) -> None:
-    print(f"state: {size_mb} MiB of float32 tensors; median of runs; MB/s = MiB moved per second")
-    print(f"{'where':<8} {'operation':<6} {'ray_checkfreq':>14} {'torch':>10} {'ratio':>7}")
+    print(f"state: {size_mb} MiB of float32 tensors (randn); median of runs; MB/s = MiB of state per second")
+    print("torch = torch.save + fsync / torch.load (local); torch.save to memory + upload_fileobj / "
+          "download + torch.load (S3)")
+    print(f"{'where':<6} {'op':<5} {'ours raw':>12} {'ours rcfz':>12} {'torch':>12} {'raw/torch':>10} {'rcfz/torch':>11}")
     for where, fig in results.items():
         for op in ("save", "load"):
-            ours = size_mb / fig[f"ours_{op}_s"]
-            theirs = size_mb / fig[f"torch_{op}_fsync_s" if op == "save" else "torch_load_s"]
-            print(f"{where:<8} {op:<6} {ours:>9.0f} MB/s {theirs:>5.0f} MB/s {ours / theirs:>6.2f}x")
+            torch_rate = size_mb / fig[f"torch_{op}_s"]
+            rates = [size_mb / fig[f"{codec}_{op}_s"] for codec in CODECS]
+            print(f"{where:<6} {op:<5} {rates[0]:>7.0f} MB/s {rates[1]:>7.0f} MB/s {torch_rate:>7.0f} MB/s "
+                  f"{rates[0] / torch_rate:>9.2f}x {rates[1] / torch_rate:>10.2f}x")
+        stored = fig["rcfz_stored_bytes"] / fig["raw_stored_bytes"]
+        print(f"{where:<6} compressed size: {stored:.1%} of raw")
 
 
 def run(args: argparse.Namespace) -> int:

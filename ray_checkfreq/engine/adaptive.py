@@ -7,9 +7,11 @@ iterations (those with no checkpoint work in flight), or against ``reference_ite
 (profiled without checkpoints) when too few were quiet; the larger figure counts. That
 catches the cores a background persist takes from training on a CPU-only machine, and
 a quiet reference from the same window follows drifts in the iteration time.
-Above p, k grows to the value predicted to bring overhead to ``raise_to * p``; below
-``lower_below * p`` for ``patience`` windows in a row, k shrinks to the value predicted
-to bring it to ``lower_to * p``, never below ``k_floor``. The dead band between
+Above p, k grows to the value predicted to bring overhead to ``raise_to * p`` (at most
+doubling per window); below ``lower_below * p`` for ``patience`` windows in a row, k
+shrinks to the value predicted to bring it to ``lower_to * p`` (at most halving), never
+below ``k_floor``. Pauses (an iteration whose time outside checkpoint stalls is
+``pause_factor`` times the window's median: evaluation, a data stall) are left out. The dead band between
 ``lower_below * p`` and p is the hysteresis that keeps k from oscillating.
 """
 
@@ -22,12 +24,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig:
     window_iters: int = 50
-    min_checkpoints_per_window: int = 3
+    min_checkpoints_per_window: int = 2
     raise_to: float = 0.8
     lower_below: float = 0.5
     lower_to: float = 0.7
     patience: int = 2
-    max_raise_factor: float = 4.0
+    max_raise_factor: float = 2.0
+    max_lower_factor: float = 2.0
+    pause_factor: float = 5.0
     min_quiet_iters: int = 5
     k_max: int = 1_000_000
 
@@ -59,21 +63,15 @@ class AdaptiveRate:
         self._reset_window()
 
     def _reset_window(self) -> None:
-        self._iters = 0
-        self._iter_s = 0.0
-        self._stall_s = 0.0
-        self._quiet: list[float] = []
+        self._samples: list[tuple[float, float, bool]] = []
 
     def record(self, iter_s: float, stall_s: float, busy: bool = True) -> int | None:
         """One iteration: its wall time, its stall, and whether checkpoint work was in flight."""
-        self._iters += 1
-        self._iter_s += iter_s
-        self._stall_s += stall_s
-        if not busy:
-            self._quiet.append(iter_s)
+        self._samples.append((iter_s, stall_s, busy))
         needed = max(self.config.window_iters, self.config.min_checkpoints_per_window * self.k)
-        if self._iters < needed:
+        if len(self._samples) < needed:
             return None
+        self._summarise_window()
         useful_s = max(self._iter_s - self._stall_s, 1e-12)
         measured = self._stall_s / useful_s
         reference = self._reference_iter_s()
@@ -89,6 +87,17 @@ class AdaptiveRate:
         self.k = new_k
         return new_k
 
+    def _summarise_window(self) -> None:
+        """Totals over the window, leaving out pauses: iterations whose time outside
+        checkpoint stalls is ``pause_factor`` times the median (evaluation, a data stall)."""
+        work = sorted(i - s for i, s, _ in self._samples)
+        limit = self.config.pause_factor * work[len(work) // 2]
+        kept = [(i, s, b) for i, s, b in self._samples if i - s <= limit]
+        self._iters = len(kept)
+        self._iter_s = sum(i for i, _, _ in kept)
+        self._stall_s = sum(s for _, s, _ in kept)
+        self._quiet = [i for i, _, b in kept if not b]
+
     def _reference_iter_s(self) -> float | None:
         if len(self._quiet) >= self.config.min_quiet_iters:
             return sum(self._quiet) / len(self._quiet)
@@ -98,14 +107,14 @@ class AdaptiveRate:
         p = self.overhead
         if measured > p:
             self._quiet_windows = 0
-            target = math.ceil(self.k * min(measured / (self.config.raise_to * p), self.config.max_raise_factor))
-            return min(self.config.k_max, max(self.k + 1, target))
+            factor = min(measured / (self.config.raise_to * p), self.config.max_raise_factor)
+            return min(self.config.k_max, max(self.k + 1, math.ceil(self.k * factor)))
         if measured < self.config.lower_below * p and self.k > self.k_floor:
             self._quiet_windows += 1
             if self._quiet_windows >= self.config.patience:
                 self._quiet_windows = 0
-                target = math.ceil(self.k * measured / (self.config.lower_to * p))
-                return max(self.k_floor, min(self.k - 1, target))
+                factor = max(measured / (self.config.lower_to * p), 1 / self.config.max_lower_factor)
+                return max(self.k_floor, min(self.k - 1, math.ceil(self.k * factor)))
             return self.k
         self._quiet_windows = 0
         return self.k

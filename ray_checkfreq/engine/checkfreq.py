@@ -129,9 +129,11 @@ class CheckFreq:
     def restore(self) -> int:
         """Load the newest valid checkpoint into everything; returns the iteration to resume at."""
         self._load_cached_profile()
-        if self.store.latest() is None:
+        if not self.store.list():
             self._begin(0)
             return 0
+        # Falls back past corrupt checkpoints; raises if there are checkpoints but none loads,
+        # rather than silently starting over.
         state = self.store.load()
         check_model_state(self.model, state["model"])
         check_optimizer_state(self.optimizer, state["optimizer"], state["checkfreq"])
@@ -316,6 +318,15 @@ class CheckFreq:
         self._stats.record_persist(result)
 
     # ----------------------------------------------------------------- ending
+    def flush(self) -> float:
+        """Block until the in-flight checkpoint is durable (say, on a preemption notice).
+
+        Returns the seconds waited; raises a persist failure.
+        """
+        waited = self._persist.wait_idle()
+        self._persist.raise_if_failed()
+        return waited
+
     def close(self) -> None:
         """Make the in-flight checkpoint durable and release the hooks; raises a persist failure."""
         if self._closed:
