@@ -18,7 +18,7 @@ def test_bench_store(tmp_path, capsys):
     assert main(["bench", "store", "--size-mb", "4", "--repeat", "1", "--s3", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["results"]
     assert set(figures) == {"local", "s3"} and all(v > 0 for v in figures["local"].values())
-    assert "ray_checkfreq" in capsys.readouterr().out
+    assert "ours raw" in capsys.readouterr().out
 
 
 def test_bench_stall(tmp_path):
