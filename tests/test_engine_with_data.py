@@ -58,3 +58,17 @@ def test_resume_mid_epoch_is_exact_and_sees_every_sample_once(tmp_path):
     for epoch in range(EPOCHS):
         assert sorted(reference_seen[epoch * per_epoch:(epoch + 1) * per_epoch]) == list(range(SAMPLES))
     assert torch.equal(reference.weight, resumed.weight) and torch.equal(reference.bias, resumed.bias)
+
+
+def test_iterating_and_resuming_leave_the_global_rng_alone():
+    data = resumable(Points(), batch_size=BATCH, seed=3, options=TorchLoaderOptions(num_workers=0))
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    batches = iter(data)
+    next(batches)
+    state = data.state_dict()
+    fresh = resumable(Points(), batch_size=BATCH, seed=3, options=TorchLoaderOptions(num_workers=0))
+    fresh.load_state_dict(state)
+    for _ in fresh:
+        pass
+    assert torch.equal(torch.get_rng_state(), before)

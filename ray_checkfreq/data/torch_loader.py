@@ -101,9 +101,14 @@ class TorchIterator(ResumableIterator):
         if opts.num_workers > 0:
             extra["prefetch_factor"] = opts.prefetch_factor or 2
             extra["multiprocessing_context"] = opts.multiprocessing_context
+        # A private generator: a DataLoader otherwise draws its base seed from the global
+        # torch RNG whenever it starts, and a resume starts it at a different point than an
+        # uninterrupted run, which would shift every later dropout mask.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         loader = DataLoader(
             self.dataset,
             batch_sampler=_Batches(order, epoch, slices),
+            generator=generator,
             num_workers=opts.num_workers,
             collate_fn=opts.collate_fn,
             pin_memory=opts.pin_memory and torch.cuda.is_available(),
