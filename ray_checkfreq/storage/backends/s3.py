@@ -8,9 +8,10 @@ Endpoint, region and credentials come from the usual AWS environment and config 
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,22 +162,11 @@ class S3Backend(Backend):
         self.client.close()
 
 
-class ChunkReader(io.RawIOBase):
-    """A seekable read-only file over a list of buffers, without joining them."""
+class _SeekableBuffer(io.RawIOBase):
+    """Position bookkeeping shared by the upload source and the download sink."""
 
-    def __init__(self, chunks: Sequence[Any]) -> None:
-        self._views = [memoryview(c).cast("B") for c in chunks]
-        self._starts = []
-        position = 0
-        for view in self._views:
-            self._starts.append(position)
-            position += view.nbytes
-        self._size = position
-        self._pos = 0
-        self._lock = threading.Lock()
-
-    def readable(self) -> bool:
-        return True
+    _size = 0
+    _pos = 0
 
     def seekable(self) -> bool:
         return True
@@ -189,11 +179,24 @@ class ChunkReader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
+
+class ChunkReader(_SeekableBuffer):
+    """A seekable read-only file over a list of buffers, without joining them."""
+
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        self._views = [memoryview(c).cast("B") for c in chunks]
+        self._starts = list(itertools.accumulate((v.nbytes for v in self._views), initial=0))[:-1]
+        self._size = sum(v.nbytes for v in self._views)
+
+    def readable(self) -> bool:
+        return True
+
     def readinto(self, out: Any) -> int:
         target = memoryview(out).cast("B")
         written = 0
         while written < target.nbytes and self._pos < self._size:
-            index = self._chunk_at(self._pos)
+            # the last chunk starting at or before the position (skips empty chunks)
+            index = bisect.bisect_right(self._starts, self._pos) - 1
             view = self._views[index][self._pos - self._starts[index]:]
             n = min(view.nbytes, target.nbytes - written)
             target[written:written + n] = view[:n]
@@ -201,46 +204,23 @@ class ChunkReader(io.RawIOBase):
             self._pos += n
         return written
 
-    def _chunk_at(self, position: int) -> int:
-        low, high = 0, len(self._starts) - 1
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._starts[mid] <= position:
-                low = mid
-            else:
-                high = mid - 1
-        while self._views[low].nbytes == 0 or position >= self._starts[low] + self._views[low].nbytes:
-            low += 1
-        return low
 
-
-class BufferWriter(io.RawIOBase):
-    """A seekable sink into one preallocated bytearray (parts may arrive out of order)."""
+class BufferWriter(_SeekableBuffer):
+    """A seekable sink into one preallocated buffer (parts may arrive out of order)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = uninitialized_buffer(size)
         self._view = memoryview(self.buffer)
-        self._pos = 0
+        self._size = size
 
     def writable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self.buffer)}[whence]
-        self._pos = base + offset
-        return self._pos
-
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         end = self._pos + view.nbytes
-        if end > len(self.buffer):
-            raise OSError(f"object grew during download ({end} > {len(self.buffer)} bytes)")
+        if end > self._size:
+            raise OSError(f"object grew during download ({end} > {self._size} bytes)")
         self._view[self._pos:end] = view
         self._pos = end
         return view.nbytes
