@@ -41,16 +41,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=4, help="checkpoint interval in iterations")
     parser.add_argument("--checkpoints", type=int, default=3, help="checkpoints measured per method")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda")
     parser.add_argument("--json", default=None, help="write the figures to this file")
 
 
-def build(params_m: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+def build(params_m: float, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     width = 2048
     layers = max(1, round(params_m * 1e6 / (width * width + width)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
-                                  for _ in range(layers)])
+                                  for _ in range(layers)]).to(device)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4), width
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
@@ -173,6 +179,7 @@ def _clone_tree(value):
 
 
 def run_loop(model, opt, inputs, iterations: int, every: int, method: Method | None) -> float:
+    _sync(str(inputs.device))
     start = time.perf_counter()
     for step in range(1, iterations + 1):
         train_step(model, opt, inputs)
@@ -182,13 +189,14 @@ def run_loop(model, opt, inputs, iterations: int, every: int, method: Method | N
                 method.checkpoint(step)
     if method is not None:
         method.finish()
+    _sync(str(inputs.device))
     return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> int:
-    model, opt, width = build(args.params_m)
+    model, opt, width = build(args.params_m, args.device)
     params = sum(p.numel() for p in model.parameters())
-    inputs = torch.randn(args.batch, width)
+    inputs = torch.randn(args.batch, width, device=args.device)
     root = args.dir or tempfile.mkdtemp(prefix="rcf-stall-")
     iterations = args.every * args.checkpoints
     run_loop(model, opt, inputs, 2, args.every, None)  # warm-up: Adam state allocated
@@ -224,12 +232,17 @@ def _print(params: int, state_bytes: int, step_s: float, args: argparse.Namespac
     two_phase = results["checkfreq (two-phase)"]["stall_s"]
     print(f"model: {params / 1e6:.0f} M parameters, Adam; state {state_bytes / 2**20:.0f} MiB; "
           f"step {step_s * 1e3:.0f} ms (batch {args.batch}); checkpoint every {args.every} steps, "
-          f"{args.checkpoints} checkpoints per method; {os.cpu_count()} cores, no GPU"
-          if not torch.cuda.is_available() else "")
+          f"{args.checkpoints} checkpoints per method; {os.cpu_count()} cores; device {_device_name(args.device)}")
     print(f"{'method':<26} {'stall/ckpt':>11} {'vs two-phase':>13} {'slowdown/ckpt':>14}")
     for name, fig in results.items():
         ratio = fig["stall_s"] / two_phase if two_phase > 0 else float("inf")
         print(f"{name:<26} {fig['stall_s'] * 1e3:>8.1f} ms {ratio:>12.1f}x {fig['slowdown_s'] * 1e3:>11.0f} ms")
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "CPU (no GPU)" if not torch.cuda.is_available() else "CPU"
 
 
 def _clean(root: str) -> None:
