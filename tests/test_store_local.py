@@ -315,3 +315,14 @@ def test_store_pickles_for_ray_actors(tmp_path):
     store.save(1, {"x": torch.ones(1)})
     clone = pickle.loads(pickle.dumps(store))
     assert clone.config.keep_last == 3 and [r.step for r in clone.list()] == [1]
+
+
+def test_delete_uncommits_first_and_names_a_missing_step(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=3, full_every=1)
+    for step in (1, 2, 3):
+        store.save(step, {"x": torch.full((3,), step)})
+    store.delete(3)
+    assert [r.step for r in store.list()] == [1, 2]
+    assert store.latest().step == 2
+    with pytest.raises(CheckpointNotFoundError, match="step 9"):
+        store.delete(9)

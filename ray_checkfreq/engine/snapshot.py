@@ -42,11 +42,6 @@ class CopyHandle:
         if self.error is not None:
             raise self.error
 
-    @property
-    def done(self) -> bool:
-        cuda_done = self._cuda_event is None or self._cuda_event.query()
-        return self._host_done.is_set() and cuda_done
-
 
 class HostCopier:
     """One long-lived thread that runs host-to-host copies in the background."""
@@ -177,9 +172,6 @@ class Snapshotter:
             event = torch.cuda.Event()
             event.record(self._stream)
         handle._cuda_event = event
-
-    def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def close(self) -> None:
         self._host.close()
