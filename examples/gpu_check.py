@@ -23,21 +23,7 @@ import tempfile
 import torch
 
 from ray_checkfreq import CheckFreq, CheckpointStore
-
-
-class CountingOptimizer(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(params, {})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "count" not in state:
-                    state["count"] = torch.zeros_like(p)
-                state["count"].add_(1)
-                p.copy_(state["count"])
+from ray_checkfreq.chaos import CountingOptimizer, torn_iterations
 
 
 def check_fence(device: str, mode: str, root: str) -> dict:
@@ -51,14 +37,7 @@ def check_fence(device: str, mode: str, root: str) -> dict:
         opt.step()
         cf.step()
     cf.close()
-    torn = []
-    for ref in store.list():
-        state = store.load(ref)
-        iteration = state["checkfreq"]["iteration"]
-        tensors = list(state["model"].values()) + [s["count"] for s in state["optimizer"]["state"].values()]
-        if not all(bool((t == iteration).all()) for t in tensors):
-            torn.append(iteration)
-    return {"mode": mode, "checkpoints": len(store.list()), "torn": torn, "stats": cf.stats()}
+    return {"mode": mode, "checkpoints": len(store.list()), "torn": torn_iterations(store), "stats": cf.stats()}
 
 
 def _dropout_run(device: str, storage: str, total: int, stop_at: int | None):
