@@ -195,7 +195,6 @@ class CheckFreq:
         self._last_step_t = time.perf_counter()
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
-        self._stats.iterations_timed += 1
         self._stats.iter_time_total_s += iter_s
         if self._profile_until is not None:
             self._iter_samples.append(iter_s)
@@ -383,7 +382,6 @@ class _Stats:
     profiling_s: float = 0.0
     step_overhead_s: float = 0.0  # time inside step() spent checkpointing, persist waits included
     iter_time_total_s: float = 0.0
-    iterations_timed: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
     last_persist_s: float | None = None

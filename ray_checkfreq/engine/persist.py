@@ -95,14 +95,15 @@ class PersistWorker:
                     return
                 snapshot, options = self._job
             result, error = self._persist(snapshot, options)
+            # Report before going idle: whoever waited for idle sees this checkpoint's figures.
+            if result is not None and self._on_done is not None:
+                self._on_done(result)
             with self._cond:
                 self._job = None
                 self._busy = False
                 if error is not None:
                     self._error = error
                 self._cond.notify_all()
-            if result is not None and self._on_done is not None:
-                self._on_done(result)
 
     def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, PersistError | None]:
         start = time.perf_counter()
