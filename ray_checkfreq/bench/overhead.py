@@ -169,6 +169,9 @@ def part_adaptive(args: argparse.Namespace, root: str, every: int | None) -> dic
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.overhead < 1:
         raise ValueError(f"--overhead {args.overhead}: must be a fraction in (0, 1)")
+    for name in ("iterations", "epoch_len", "width", "block", "phase_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     root = tempfile.mkdtemp(prefix="rcf-overhead-")
     first = part_overhead(args, root)
     adaptive = part_adaptive(args, root, every=None)

@@ -194,6 +194,11 @@ def run_loop(model, opt, inputs, iterations: int, every: int, method: Method | N
 
 
 def run(args: argparse.Namespace) -> int:
+    for name in ("batch", "every", "checkpoints"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
+    if not args.params_m > 0:
+        raise ValueError(f"--params-m {args.params_m}: must be > 0")
     model, opt, width = build(args.params_m, args.device)
     params = sum(p.numel() for p in model.parameters())
     inputs = torch.randn(args.batch, width, device=args.device)
