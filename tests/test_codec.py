@@ -138,14 +138,17 @@ def test_requires_grad_conj_and_neg_views():
     assert raw(codec.decode(codec.encode(c.conj()))) == raw(c.conj().resolve_conj())
 
 
-def test_large_float_tensors_compress_and_route_exponent_stream():
+def test_large_float_tensors_compress_with_their_layout():
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    expected = {torch.float32: ("e8", 0, 4), torch.bfloat16: ("e8", 0, 3),
+                torch.float16: ("bytes", 1, 2), torch.float64: ("bytes", 1, 8)}
+    for dtype, (kind, rotation, streams) in expected.items():
         x = (torch.randn(300_000, generator=g) * 0.02).to(dtype)
         blob = codec.encode(x, config=codec.CodecConfig(frame_bytes=1 << 18))
         info = codec.blob_info(blob)
-        assert info["sign_rotated"] and info["frames"] > 1
-        assert info["streams_per_frame"] == x.element_size()
+        assert (info["layout"], info["rotation_bits"], info["streams_per_frame"]) == (
+            kind, rotation, streams)
+        assert info["frames"] > 1
         assert len(blob) < 0.9 * info["raw_bytes"]
         assert raw(codec.decode(blob)) == raw(x)
 
@@ -200,27 +203,21 @@ from ray_checkfreq.codec import grouping  # noqa: E402
 
 
 @settings(max_examples=120, deadline=None)
-@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 70), seed=st.integers(0, 2**31))
-def test_rotation_matches_the_bytewise_definition_and_inverts(width, n, seed):
+@given(width=st.sampled_from([2, 4, 8]), n=st.integers(0, 70), seed=st.integers(0, 2**31),
+       rotation=st.integers(0, 63))
+def test_rotation_matches_its_definition_and_inverts(width, n, seed, rotation):
+    rotation %= 8 * width
     frame = np.random.default_rng(seed).integers(0, 256, n * width, dtype=np.uint8)
     before = frame.copy()
-    streams = grouping.split(frame, width, rotate=True)
-    grid = before.reshape(-1, width)
-    top, nxt = grid[:, -1].astype(np.uint16), grid[:, -2].astype(np.uint16)
-    assert np.array_equal(streams[-1], ((top << 1) | (nxt >> 7)).astype(np.uint8))  # exponent
-    assert np.array_equal(streams[-2], ((nxt & 0x7F) | (top & 0x80)).astype(np.uint8))  # sign
-    for j in range(width - 2):
-        assert np.array_equal(streams[j], grid[:, j])
+    streams = grouping.split(frame, width, rotation=rotation)
+    bits = 8 * width
+    for i, word in enumerate(before.view(f"<u{width}").tolist()):
+        rotated = ((word << rotation) | (word >> (bits - rotation))) & ((1 << bits) - 1)
+        assert [int(s[i]) for s in streams] == list(rotated.to_bytes(width, "little"))
     assert np.array_equal(frame, before)  # split never writes into its input
     out = np.full_like(frame, 0x5A)
-    grouping.merge_into([s.tobytes() for s in streams], out, width, rotate=True)
+    grouping.merge_into([s.tobytes() for s in streams], out, width, rotation=rotation)
     assert np.array_equal(out, before)
-
-
-def test_float32_exponent_stream_is_the_pure_exponent():
-    x = torch.tensor([1.0, -1.0, 2.0, -0.5, 3.0e-39, -float("inf")])
-    exp = grouping.split(x.view(torch.uint8).numpy(), 4, rotate=True)[-1]
-    assert exp.tolist() == [127, 127, 128, 126, 0, 255]
 
 
 def test_decode_into_reuses_the_buffer_and_checks_it():

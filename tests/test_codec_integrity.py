@@ -202,7 +202,7 @@ def test_version_1_blobs_decode_and_are_checked():
     x = (torch.arange(96, dtype=torch.float32) - 40) * 0.37
     base = x.clone()
     base[::3] += 1
-    assert V1_FULL[4] == 1 and codec.encode(x)[4] == 2
+    assert V1_FULL[4] == 1 and codec.encode(x)[4] == 3
     assert raw(codec.decode(V1_FULL)) == raw(x)
     assert raw(codec.decode(V1_DELTA, base=base)) == raw(x)
     codec.verify(V1_FULL)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ray_checkfreq.codec import blob as blobfmt
-from ray_checkfreq.codec import dtypes, nearlossless, pool, zstdparams
+from ray_checkfreq.codec import dtypes, layout, nearlossless, pool, zstdparams
 from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
 from ray_checkfreq.codec.frames import FramePlan, decode_frame, encode_frame
 
@@ -82,28 +82,51 @@ def encode(x: torch.Tensor | np.ndarray, *, base: torch.Tensor | np.ndarray | No
         nearlossless.check_supported(info, precision_bits)
     zstdparams.check_level(level)
     workers = pool.resolve_threads(threads)
-    plan = _plan(info, src.nbytes, cfg, level, precision_bits, delta=base is not None)
+    plan = _plan(info, src.nbytes, cfg, level, precision_bits)
     results = pool.run_indexed(lambda i: encode_frame(plan, src, base_bytes, i),
                                plan.nframes, workers)
-    flags = (blobfmt.FLAG_DELTA if base is not None else 0) | (
-        blobfmt.FLAG_ROTATE if plan.rotate else 0) | (
-        blobfmt.FLAG_GROUPED if plan.width > 1 else 0)
+    flags = (blobfmt.FLAG_DELTA if base is not None else 0) | _LAYOUT_FLAGS[plan.layout.kind]
     header = blobfmt.Header(
         flags=flags, dtype=info.name, shape=shape, precision_bits=precision_bits,
-        width=plan.width, frame_elems=plan.frame_bytes // info.itemsize,
+        width=plan.width, rotation=plan.layout.rotation,
+        frame_elems=plan.frame_bytes // info.itemsize,
         frames=tuple(entry for entry, _ in results))
     return b"".join([blobfmt.pack(header), *(s for _, streams in results for s in streams)])
 
 
 def _plan(info: dtypes.DtypeInfo, nbytes: int, cfg: CodecConfig, level: int | None,
-          precision_bits: int | None, *, delta: bool) -> FramePlan:
+          precision_bits: int | None) -> FramePlan:
     grouped = nbytes >= cfg.small_bytes and info.unit_bytes > 1
     frame_bytes = max(info.itemsize, cfg.frame_bytes // info.itemsize * info.itemsize)
-    return FramePlan(
-        info=info, width=info.unit_bytes if grouped else 1,
-        # A delta's bytes are mostly zero: rotation would only spread the sign bit.
-        rotate=grouped and info.is_float and not delta,
-        frame_bytes=frame_bytes, nbytes=nbytes, level=level, precision_bits=precision_bits)
+    if not grouped:
+        lay = layout.Layout(kind=layout.SINGLE, unit=info.unit_bytes)
+    elif info.layout == layout.E8:
+        lay = layout.Layout(kind=layout.E8, unit=info.unit_bytes)
+    else:
+        lay = layout.Layout(kind=layout.BYTES, unit=info.unit_bytes, rotation=info.rotation)
+    return FramePlan(info=info, layout=lay, frame_bytes=frame_bytes, nbytes=nbytes,
+                     level=level, precision_bits=precision_bits)
+
+
+_LAYOUT_FLAGS = {layout.SINGLE: 0, layout.BYTES: blobfmt.FLAG_GROUPED,
+                 layout.E8: blobfmt.FLAG_PLANAR_E8}
+
+
+def _layout_from_header(h: blobfmt.Header, info: dtypes.DtypeInfo) -> layout.Layout:
+    grouped, planar_e8 = h.flags & blobfmt.FLAG_GROUPED, h.flags & blobfmt.FLAG_PLANAR_E8
+    sign_rotated = h.flags & blobfmt.FLAG_ROTATE
+    unit = info.unit_bytes
+    if planar_e8 and not grouped and not sign_rotated and h.version >= 3 and h.rotation == 0 \
+            and info.exponent_bits == 8 and unit in (2, 4):
+        return layout.Layout(kind=layout.E8, unit=unit)
+    if grouped and not planar_e8 and unit > 1:
+        if sign_rotated and h.version < 3 and h.rotation == 0:
+            return layout.Layout(kind=layout.SIGN_ROTATED, unit=unit)
+        if not sign_rotated and h.rotation < 8 * unit:
+            return layout.Layout(kind=layout.BYTES, unit=unit, rotation=h.rotation)
+    if not (grouped or planar_e8 or sign_rotated or h.rotation):
+        return layout.Layout(kind=layout.SINGLE, unit=unit)
+    raise CorruptBlobError("codec blob header names a layout that does not fit its dtype")
 
 
 def _plan_from_header(h: blobfmt.Header, info: dtypes.DtypeInfo) -> FramePlan:
@@ -111,13 +134,12 @@ def _plan_from_header(h: blobfmt.Header, info: dtypes.DtypeInfo) -> FramePlan:
     for dim in h.shape:
         nbytes *= dim
     frame_bytes = h.frame_elems * info.itemsize
-    rotate = bool(h.flags & blobfmt.FLAG_ROTATE)
-    width_ok = h.width == (info.unit_bytes if h.flags & blobfmt.FLAG_GROUPED else 1)
-    if (not width_ok or frame_bytes <= 0 or (rotate and h.width < 2)
+    lay = _layout_from_header(h, info)
+    if (h.width != lay.nstreams or frame_bytes <= 0 or frame_bytes % info.itemsize
             or len(h.frames) != -(-nbytes // frame_bytes)):
         raise CorruptBlobError("codec blob header is inconsistent with its dtype and shape")
-    return FramePlan(info=info, width=h.width, rotate=rotate, frame_bytes=frame_bytes,
-                     nbytes=nbytes, level=None, precision_bits=h.precision_bits)
+    return FramePlan(info=info, layout=lay, frame_bytes=frame_bytes, nbytes=nbytes,
+                     level=None, precision_bits=h.precision_bits)
 
 
 def _prepare(blob, base):
@@ -234,7 +256,8 @@ def blob_info(blob: bytes | bytearray | memoryview) -> dict:
         "header_bytes": start,
         "frames": len(header.frames),
         "streams_per_frame": header.width,
-        "sign_rotated": plan.rotate,
+        "layout": plan.layout.kind,
+        "rotation_bits": plan.layout.rotation,
         "delta": header.is_delta,
         "precision_bits": header.precision_bits,
         "stream_methods": {name: methods.count(name) for name in sorted(set(methods))},

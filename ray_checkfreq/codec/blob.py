@@ -4,16 +4,23 @@ Layout (little-endian)::
 
     magic "RCFZ" | version u8 | flags u8 | dtype name (u8 length + ASCII)
     | ndim u8 | shape u64 * ndim | precision_bits u8 (255: lossless)
-    | width u8 (streams per frame) | frame_elems u64 | nframes u32
+    | width u8 (streams per frame) | [rotation u8, version >= 3] | frame_elems u64
+    | nframes u32
     | per frame: raw_crc u32 | stored_crc u32 | [base_crc u32 if DELTA]
     |            per stream: method u8 | stored_len u32
     | header_crc u32 (crc32 of every header byte before it)
     | payload: for each frame, its streams in order
 
+``rotation``: with ``FLAG_GROUPED``, the bits each element (each scalar unit of a complex
+dtype) was rotated left before its bytes were grouped (:mod:`ray_checkfreq.codec.grouping`).
+``FLAG_PLANAR_E8`` names the planar exponent split (:mod:`ray_checkfreq.codec.planar`)
+instead. Version 2 blobs set ``FLAG_ROTATE`` with ``FLAG_GROUPED`` for their own layout
+(the float sign bit moved next to the mantissa).
+
 ``stored_crc`` is the crc32 of the frame's stored streams (what :func:`verify` checks),
 ``base_crc`` of the frame's bytes of the delta base. ``raw_crc`` depends on the version:
 
-- version 2 (written now): every zstd stream carries zstd's own content checksum (XXH64,
+- versions 2 and 3 (3 written now): every zstd stream carries zstd's own content checksum (XXH64,
   checked by zstd while it decompresses) and ``raw_crc`` is the crc32 of the streams
   stored raw, in order (0 when there are none). Every stored byte is thus covered by a
   content check, and decode never needs a second pass over the whole output.
@@ -30,12 +37,13 @@ from dataclasses import dataclass
 from ray_checkfreq.codec.errors import CorruptBlobError
 
 MAGIC = b"RCFZ"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 FLAG_DELTA = 1  # stored bytes are x XOR base
-FLAG_ROTATE = 2  # float sign bit rotated next to the mantissa before grouping
-FLAG_GROUPED = 4  # element bytes split into `width` streams
+FLAG_ROTATE = 2  # versions 1-2: float sign bit moved next to the mantissa before grouping
+FLAG_GROUPED = 4  # element bytes split into `width` streams, one per byte position
+FLAG_PLANAR_E8 = 8  # version >= 3: planar exponent split into `width` streams (planar.py)
 
 METHOD_RAW = 0
 METHOD_ZSTD = 1
@@ -64,6 +72,7 @@ class Header:
     width: int
     frame_elems: int
     frames: tuple[FrameEntry, ...]
+    rotation: int = 0
     version: int = VERSION  # pack() always writes VERSION
 
     @property
@@ -75,8 +84,8 @@ def pack(h: Header) -> bytes:
     name = h.dtype.encode("ascii")
     parts = [MAGIC, struct.pack("<BBB", VERSION, h.flags, len(name)), name,
              struct.pack(f"<B{len(h.shape)}Q", len(h.shape), *h.shape),
-             struct.pack("<BBQI", NO_PRECISION if h.precision_bits is None else h.precision_bits,
-                         h.width, h.frame_elems, len(h.frames))]
+             struct.pack("<BBBQI", NO_PRECISION if h.precision_bits is None else h.precision_bits,
+                         h.width, h.rotation, h.frame_elems, len(h.frames))]
     for f in h.frames:
         parts.append(struct.pack("<II", f.raw_crc, f.stored_crc))
         if h.is_delta:
@@ -115,7 +124,9 @@ def unpack(blob) -> tuple[Header, int]:
     (name,) = r.take(f"<{name_len}s")
     (ndim,) = r.take("<B")
     shape = r.take(f"<{ndim}Q")
-    precision, width, frame_elems, nframes = r.take("<BBQI")
+    precision, width = r.take("<BB")
+    rotation = r.take("<B")[0] if version >= 3 else 0
+    frame_elems, nframes = r.take("<QI")
     per_frame = 8 + (4 if flags & FLAG_DELTA else 0) + 5 * width
     if width == 0 or r.pos + nframes * per_frame + 4 > len(view):
         raise CorruptBlobError("codec blob is truncated inside its frame table")
@@ -136,7 +147,7 @@ def unpack(blob) -> tuple[Header, int]:
     header = Header(flags=flags, dtype=dtype, shape=tuple(shape),
                     precision_bits=None if precision == NO_PRECISION else precision,
                     width=width, frame_elems=frame_elems, frames=tuple(frames),
-                    version=version)
+                    rotation=rotation, version=version)
     payload = sum(f.stored_len for f in frames)
     if r.pos + payload != len(view):
         raise CorruptBlobError(f"codec blob holds {len(view) - r.pos} payload bytes, its "

@@ -23,6 +23,10 @@ class DtypeInfo:
     exponent_bits: int = 0  # 0 for integers and bool
     mantissa_bits: int = 0
     finite_rule: str = ""  # "ieee", "fn" (only all-ones is NaN), "" (no rounding support)
+    # How frames of this dtype are cut into streams (layout.py): "e8" (planar exponent
+    # split) or "bytes" (byte grouping, each unit rotated left by `rotation` bits first).
+    layout: str = "bytes"
+    rotation: int = 0
 
     @property
     def is_float(self) -> bool:
@@ -33,11 +37,16 @@ class DtypeInfo:
         return _NUMPY_BY_NAME.get(self.name)
 
 
-def _float(name: str, itemsize: int, unit: int, e: int, m: int, rule: str) -> tuple:
+def _float(name: str, itemsize: int, unit: int, e: int, m: int, rule: str,
+           layout: str = "bytes", rotation: int = 0) -> tuple:
     return (name, dict(itemsize=itemsize, unit_bytes=unit, exponent_bits=e,
-                       mantissa_bits=m, finite_rule=rule))
+                       mantissa_bits=m, finite_rule=rule, layout=layout, rotation=rotation))
 
 
+# Measured on all-MiniLM-L6-v2 (stored % of raw): float16 grouped with rotations 0 / 1 / 2
+# / 3 stores 84.84 / 84.80 / 84.93 / 87.88, so it (and float64, by the same reasoning:
+# the sign then leaves the exponent byte) rotates by 1; 8-bit-exponent floats use the
+# planar split (planar.py: float32 81.79, bfloat16 66.15).
 _SPECS = [
     ("bool", dict(itemsize=1, unit_bytes=1)),
     ("uint8", dict(itemsize=1, unit_bytes=1)),
@@ -48,13 +57,13 @@ _SPECS = [
     ("uint32", dict(itemsize=4, unit_bytes=4)),
     ("int64", dict(itemsize=8, unit_bytes=8)),
     ("uint64", dict(itemsize=8, unit_bytes=8)),
-    _float("float16", 2, 2, 5, 10, "ieee"),
-    _float("bfloat16", 2, 2, 8, 7, "ieee"),
-    _float("float32", 4, 4, 8, 23, "ieee"),
-    _float("float64", 8, 8, 11, 52, "ieee"),
-    _float("complex32", 4, 2, 5, 10, "ieee"),
-    _float("complex64", 8, 4, 8, 23, "ieee"),
-    _float("complex128", 16, 8, 11, 52, "ieee"),
+    _float("float16", 2, 2, 5, 10, "ieee", rotation=1),
+    _float("bfloat16", 2, 2, 8, 7, "ieee", layout="e8"),
+    _float("float32", 4, 4, 8, 23, "ieee", layout="e8"),
+    _float("float64", 8, 8, 11, 52, "ieee", rotation=1),
+    _float("complex32", 4, 2, 5, 10, "ieee", rotation=1),
+    _float("complex64", 8, 4, 8, 23, "ieee", layout="e8"),
+    _float("complex128", 16, 8, 11, 52, "ieee", rotation=1),
     _float("float8_e5m2", 1, 1, 5, 2, "ieee"),
     _float("float8_e4m3fn", 1, 1, 4, 3, "fn"),
     # Other layouts (fnuz, e8m0, packed fp4) are stored losslessly but not rounded.

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from ray_checkfreq.codec import grouping, nearlossless, zstdparams
+from ray_checkfreq.codec import nearlossless, zstdparams
 from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, VERSION, FrameEntry
 from ray_checkfreq.codec.dtypes import DtypeInfo
 from ray_checkfreq.codec.errors import BaseMismatchError, CorruptBlobError
+from ray_checkfreq.codec.layout import SINGLE, Layout
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -21,12 +22,16 @@ class FramePlan:
     """What every frame of one blob shares."""
 
     info: DtypeInfo
-    width: int  # streams per frame (1: ungrouped)
-    rotate: bool
+    layout: Layout
     frame_bytes: int
     nbytes: int
     level: int | None  # None: tuned per stream role
     precision_bits: int | None
+
+    @property
+    def width(self) -> int:
+        """Streams per frame."""
+        return self.layout.nstreams
 
     @property
     def nframes(self) -> int:
@@ -39,11 +44,9 @@ class FramePlan:
     def stream_key(self, j: int) -> object:
         if self.level is not None:
             return self.level
-        if self.width == 1:
+        if self.layout.kind == SINGLE:
             return zstdparams.SMALL_LEVEL if self.nframes == 1 else zstdparams.OTHER_LEVEL
-        if self.rotate and j == self.width - 1:
-            return "exp"
-        return zstdparams.OTHER_LEVEL
+        return "exp" if self.layout.holds_exponent(j) else zstdparams.OTHER_LEVEL
 
 
 def _xor(a: np.ndarray, b: np.ndarray, unit: int) -> np.ndarray:
@@ -61,7 +64,7 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     if base is not None:
         base_crc = zlib.crc32(base[lo:hi])
         data = _xor(data, base[lo:hi], plan.info.unit_bytes)
-    streams = grouping.split(data, plan.width, rotate=plan.rotate)
+    streams = plan.layout.split(data)
     stored, table, crc, raw_crc = [], [], 0, 0
     for j, stream in enumerate(streams):
         packed = zstdparams.compressor(plan.stream_key(j)).compress(stream)
@@ -71,8 +74,9 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
         if len(packed) <= stream.nbytes + (stream.nbytes >> 12):
             item, method = packed, METHOD_ZSTD
         else:
-            # zstd's checksum covers the other streams; this one needs its own.
-            item, method = stream, METHOD_RAW
+            # zstd's checksum covers the other streams; this one needs its own. A copy:
+            # split() may return views of memory that the next frame reuses.
+            item, method = bytes(stream), METHOD_RAW
             raw_crc = zlib.crc32(item, raw_crc)
         crc = zlib.crc32(item, crc)
         stored.append(item)
@@ -85,7 +89,7 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
                  out: np.ndarray, base: np.ndarray | None, i: int, version: int = VERSION) -> None:
     """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it.
 
-    Format version 2: zstd checks each compressed stream's content checksum while it
+    Format versions 2 and 3: zstd checks each compressed stream's content checksum while it
     decompresses, and the streams stored raw are checked against ``raw_crc`` here, so no
     pass over the decoded frame is needed. Version 1: ``raw_crc`` covers the decoded frame.
     The stored crc is left to verify(): the content checks already reject any damage.
@@ -97,9 +101,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             f"against (base checksum mismatch in frame {i}); pass the exact tensor that "
             "was given as base= to encode")
     stored = payload[offset:offset + entry.stored_len]
-    stream_len = (hi - lo) // plan.width
     streams, pos, raw_crc = [], 0, 0
-    for method, n in entry.streams:
+    for (method, n), stream_len in zip(entry.streams, plan.layout.stream_lengths(hi - lo)):
         chunk = stored[pos:pos + n]
         pos += n
         if method == METHOD_ZSTD:
@@ -113,7 +116,7 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
         raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
                                "stream stored raw)")
     target = out[lo:hi]
-    grouping.merge_into(streams, target, plan.width, rotate=plan.rotate)
+    plan.layout.merge(streams, target)
     if base is not None:
         utype = _UNSIGNED[plan.info.unit_bytes]
         np.bitwise_xor(target.view(utype), base[lo:hi].view(utype), out=target.view(utype))

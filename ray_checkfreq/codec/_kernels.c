@@ -1,0 +1,408 @@
+/* Byte-layout kernels of the codec: split a frame of elements into streams and merge
+ * them back, in one pass each. The layouts are defined in layout.py, whose numpy
+ * implementation is the reference these kernels are tested against; this file only
+ * makes them fast. Every function releases the GIL while it runs.
+ *
+ * Loops have no data-dependent branches; elements are loaded and stored with memcpy,
+ * which compiles to plain (unaligned) moves, because callers may pass buffers at any
+ * address.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- planar exponent split for floats with an 8-bit exponent (bfloat16, float32) ---- */
+
+#define OFFSET_SAMPLE_STEP 8
+#define OFFSET_CENTER 32
+
+typedef struct {
+    Py_ssize_t n;    /* elements */
+    Py_ssize_t g;    /* groups of 4 elements (the last one zero-padded) */
+    uint8_t *t;      /* 4g bytes: exponent bits 5..0 and the top 2 mantissa bits */
+    uint8_t *k;      /* 1 + g bytes: the exponent offset, then exponent bits 7..6 */
+    uint8_t *m;      /* float32 only: 8g bytes, mantissa bits 20..13 then 12..5 */
+    uint8_t *nib;    /* 2g bytes: low 4 bits of r, two elements to a byte */
+    uint8_t *p;      /* g bytes: top 2 bits of r; r = mantissa 4..0 << 1 | sign */
+} e8_streams;
+
+static Py_ssize_t e8_groups(Py_ssize_t n) { return (n + 3) / 4; }
+
+static Py_ssize_t e8_total(Py_ssize_t n, int width) {
+    Py_ssize_t g = e8_groups(n);
+    return 4 * g + 1 + g + (width == 4 ? 8 * g : 0) + 3 * g;
+}
+
+static void e8_locate(e8_streams *s, uint8_t *base, Py_ssize_t n, int width) {
+    s->n = n;
+    s->g = e8_groups(n);
+    s->t = base;
+    s->k = s->t + 4 * s->g;
+    s->m = s->k + 1 + s->g;
+    s->nib = s->m + (width == 4 ? 8 * s->g : 0);
+    s->p = s->nib + 2 * s->g;
+}
+
+/* The median exponent of every OFFSET_SAMPLE_STEP-th element, minus OFFSET_CENTER. */
+#define E8_OFFSET(NAME, WORD, MB)                                                        \
+    static uint8_t NAME(const uint8_t *src, Py_ssize_t n) {                              \
+        Py_ssize_t hist[256] = {0}, sampled = 0, seen = 0;                               \
+        for (Py_ssize_t i = 0; i < n; i += OFFSET_SAMPLE_STEP, sampled++) {              \
+            WORD w;                                                                      \
+            memcpy(&w, src + (size_t)i * sizeof(WORD), sizeof(WORD));                    \
+            hist[(w >> MB) & 0xFF]++;                                                    \
+        }                                                                                \
+        int median = 0;                                                                  \
+        for (; median < 255; median++) {                                                 \
+            seen += hist[median];                                                        \
+            if (2 * seen >= sampled)                                                     \
+                break;                                                                   \
+        }                                                                                \
+        return (uint8_t)((median - OFFSET_CENTER) & 0xFF);                               \
+    }
+
+/* Frames are done in chunks of CHUNK elements, each as a few simple loops over
+ * contiguous bytes that compilers vectorize: one computes every element's fields (the
+ * 2- and 6-bit ones one to a byte, in scratch), the others pack or unpack 4 (or 2) of
+ * them per byte through a 32-bit (16-bit) word, which relies on little-endian order.
+ * Stream pointers are restrict locals: a store through a uint8_t pointer may alias
+ * anything, so without restrict every store would force reloads. */
+#define CHUNK 2048
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the codec kernels assume a little-endian machine"
+#endif
+
+static inline uint8_t pack4x2(const uint8_t *four) { /* bytes <= 3 -> 2 bits each */
+    uint32_t x, z;
+    memcpy(&x, four, 4);
+    z = x | (x >> 6);
+    return (uint8_t)(z | (z >> 12));
+}
+
+static inline uint32_t unpack4x2(uint32_t packed) { /* 2-bit fields -> one per byte */
+    return (packed & 3u) | ((packed & 0xCu) << 6) | ((packed & 0x30u) << 12)
+           | ((packed & 0xC0u) << 18);
+}
+
+#define E8_SPLIT(NAME, OFFSET, WORD, BITS, MB)                                           \
+    static void NAME##_chunk(const WORD *restrict w, Py_ssize_t count, uint32_t off,     \
+                             uint8_t *restrict t, uint8_t *restrict k,                   \
+                             uint8_t *restrict m1, uint8_t *restrict m2,                 \
+                             uint8_t *restrict nib, uint8_t *restrict p) {               \
+        uint8_t kf[CHUNK], rf[CHUNK], rhi[CHUNK];                                        \
+        for (Py_ssize_t i = 0; i < count; i++) {                                         \
+            uint32_t x = w[i];                                                           \
+            uint32_t e = ((x >> MB) - off) & 0xFFu;                                      \
+            uint32_t man = x & ((1u << MB) - 1u);                                        \
+            uint32_t r = ((man & 31u) << 1) | (x >> (BITS - 1));                         \
+            t[i] = (uint8_t)(((e & 63u) << 2) | (man >> (MB - 2)));                      \
+            kf[i] = (uint8_t)(e >> 6);                                                   \
+            rf[i] = (uint8_t)(r & 15u);                                                  \
+            rhi[i] = (uint8_t)(r >> 4);                                                  \
+            if (BITS == 32) {                                                            \
+                m1[i] = (uint8_t)(man >> 13);                                            \
+                m2[i] = (uint8_t)(man >> 5);                                             \
+            }                                                                            \
+        }                                                                                \
+        for (Py_ssize_t g = 0; g < count / 4; g++) {                                     \
+            k[g] = pack4x2(kf + 4 * g);                                                  \
+            p[g] = pack4x2(rhi + 4 * g);                                                 \
+        }                                                                                \
+        for (Py_ssize_t h = 0; h < count / 2; h++)                                       \
+            nib[h] = (uint8_t)(rf[2 * h] | (rf[2 * h + 1] << 4));                        \
+    }                                                                                    \
+    static void NAME(const uint8_t *src, e8_streams *s) {                                \
+        uint32_t off = OFFSET(src, s->n);                                                \
+        Py_ssize_t m2_at = 4 * s->g;                                                     \
+        s->k[0] = (uint8_t)off;                                                          \
+        for (Py_ssize_t c = 0; c < s->n; c += CHUNK) {                                   \
+            Py_ssize_t count = s->n - c < CHUNK ? s->n - c : CHUNK;                      \
+            WORD padded[CHUNK];                                                          \
+            const WORD *w = (const WORD *)(src + (size_t)c * sizeof(WORD));              \
+            if (count % 4 || ((uintptr_t)w % sizeof(WORD))) {                            \
+                memset(padded, 0, sizeof(padded));                                       \
+                memcpy(padded, w, (size_t)count * sizeof(WORD));                         \
+                w = padded;                                                              \
+                count = (count + 3) / 4 * 4;                                             \
+            }                                                                            \
+            NAME##_chunk(w, count, off, s->t + c, s->k + 1 + c / 4,                      \
+                         BITS == 32 ? s->m + c : NULL,                                   \
+                         BITS == 32 ? s->m + m2_at + c : NULL, s->nib + c / 2,           \
+                         s->p + c / 4);                                                  \
+        }                                                                                \
+    }
+
+#define E8_MERGE(NAME, WORD, BITS, MB)                                                   \
+    static void NAME##_chunk(WORD *restrict w, Py_ssize_t count, uint32_t off,           \
+                             const uint8_t *restrict t, const uint8_t *restrict k,       \
+                             const uint8_t *restrict m1, const uint8_t *restrict m2,     \
+                             const uint8_t *restrict nib, const uint8_t *restrict p) {   \
+        uint8_t kf[CHUNK], rf[CHUNK];                                                    \
+        for (Py_ssize_t g = 0; g < count / 4; g++) {                                     \
+            uint32_t kw = unpack4x2(k[g]);                                               \
+            uint32_t lo = (uint32_t)nib[2 * g] | ((uint32_t)nib[2 * g + 1] << 16);       \
+            uint32_t rw = ((lo & 0x000F000Fu) | ((lo & 0x00F000F0u) << 4))               \
+                          | (unpack4x2(p[g]) << 4);                                      \
+            memcpy(kf + 4 * g, &kw, 4);                                                  \
+            memcpy(rf + 4 * g, &rw, 4);                                                  \
+        }                                                                                \
+        for (Py_ssize_t i = 0; i < count; i++) {                                         \
+            uint32_t tb = t[i], r = rf[i];                                               \
+            uint32_t e = ((((uint32_t)kf[i] << 6) | (tb >> 2)) + off) & 0xFFu;           \
+            uint32_t man = ((tb & 3u) << (MB - 2)) | (r >> 1);                           \
+            if (BITS == 32)                                                              \
+                man |= ((uint32_t)m1[i] << 13) | ((uint32_t)m2[i] << 5);                 \
+            w[i] = (WORD)(((r & 1u) << (BITS - 1)) | (e << MB) | man);                   \
+        }                                                                                \
+    }                                                                                    \
+    static void NAME(const e8_streams *s, uint8_t *dst) {                                \
+        uint32_t off = s->k[0];                                                          \
+        Py_ssize_t m2_at = 4 * s->g;                                                     \
+        for (Py_ssize_t c = 0; c < s->n; c += CHUNK) {                                   \
+            Py_ssize_t count = s->n - c < CHUNK ? s->n - c : CHUNK;                      \
+            WORD *out = (WORD *)(dst + (size_t)c * sizeof(WORD)), padded[CHUNK];         \
+            int direct = count % 4 == 0 && (uintptr_t)out % sizeof(WORD) == 0;           \
+            NAME##_chunk(direct ? out : padded, (count + 3) / 4 * 4, off, s->t + c,      \
+                         s->k + 1 + c / 4, BITS == 32 ? s->m + c : NULL,                 \
+                         BITS == 32 ? s->m + m2_at + c : NULL, s->nib + c / 2,           \
+                         s->p + c / 4);                                                  \
+            if (!direct)                                                                 \
+                memcpy(out, padded, (size_t)count * sizeof(WORD));                       \
+        }                                                                                \
+    }
+
+E8_OFFSET(e8_offset16, uint16_t, 7)
+E8_OFFSET(e8_offset32, uint32_t, 23)
+E8_SPLIT(e8_split16, e8_offset16, uint16_t, 16, 7)
+E8_SPLIT(e8_split32, e8_offset32, uint32_t, 32, 23)
+E8_MERGE(e8_merge16, uint16_t, 16, 7)
+E8_MERGE(e8_merge32, uint32_t, 32, 23)
+
+/* ---- byte grouping, each element rotated left by `rotation` bits first ---- */
+
+#define ROTL(WORD, BITS, w, k) ((k) ? (WORD)(((w) << (k)) | ((w) >> ((BITS) - (k)))) : (w))
+#define ROTR(WORD, BITS, w, k) ((k) ? (WORD)(((w) >> (k)) | ((w) << ((BITS) - (k)))) : (w))
+
+#define GROUP(NAME, WORD, BITS)                                                          \
+    static void NAME##_split(const uint8_t *src, Py_ssize_t n, int k, uint8_t *out) {     \
+        for (Py_ssize_t i = 0; i < n; i++) {                                             \
+            WORD w;                                                                      \
+            memcpy(&w, src + (size_t)i * sizeof(WORD), sizeof(WORD));                    \
+            w = ROTL(WORD, BITS, w, k);                                                  \
+            for (int b = 0; b < (int)sizeof(WORD); b++)                                  \
+                out[(size_t)b * n + i] = (uint8_t)(w >> (8 * b));                        \
+        }                                                                                \
+    }                                                                                    \
+    static void NAME##_merge(const uint8_t *const *streams, Py_ssize_t n, int k,         \
+                             uint8_t *dst) {                                             \
+        for (Py_ssize_t i = 0; i < n; i++) {                                             \
+            WORD w = 0;                                                                  \
+            for (int b = 0; b < (int)sizeof(WORD); b++)                                  \
+                w |= (WORD)((WORD)streams[b][i] << (8 * b));                             \
+            w = ROTR(WORD, BITS, w, k);                                                  \
+            memcpy(dst + (size_t)i * sizeof(WORD), &w, sizeof(WORD));                    \
+        }                                                                                \
+    }
+
+GROUP(group16, uint16_t, 16)
+GROUP(group32, uint32_t, 32)
+GROUP(group64, uint64_t, 64)
+
+/* ---- Python bindings ---- */
+
+static int check_width(int width, int e8) {
+    if (width == 2 || width == 4 || (!e8 && width == 8))
+        return 0;
+    PyErr_Format(PyExc_ValueError, "unsupported element width %d", width);
+    return -1;
+}
+
+static int get_buffers(PyObject *seq, Py_buffer *views, Py_ssize_t count) {
+    PyObject *fast = PySequence_Fast(seq, "streams must be a sequence of buffers");
+    if (fast == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_Format(PyExc_ValueError, "expected %zd streams", count);
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &views[i],
+                               PyBUF_C_CONTIGUOUS) < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&views[i]);
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void release_buffers(Py_buffer *views, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+static PyObject *py_e8_split(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iw*", &src, &width, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (check_width(width, 1) < 0)
+        goto done;
+    Py_ssize_t n = src.len / width;
+    if (src.len % width || out.len != e8_total(n, width)) {
+        PyErr_SetString(PyExc_ValueError, "e8_split: buffer sizes do not match");
+        goto done;
+    }
+    e8_streams s;
+    e8_locate(&s, (uint8_t *)out.buf, n, width);
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 2)
+        e8_split16((const uint8_t *)src.buf, &s);
+    else
+        e8_split32((const uint8_t *)src.buf, &s);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_e8_merge(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_buffer out, v[4];
+    int width;
+    if (!PyArg_ParseTuple(args, "Oiw*", &seq, &width, &out))
+        return NULL;
+    if (check_width(width, 1) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_ssize_t count = width == 4 ? 4 : 3;
+    if (get_buffers(seq, v, count) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = out.len / width, g = e8_groups(n);
+    Py_ssize_t want[4] = {4 * g, 1 + g, width == 4 ? 8 * g : 3 * g, 3 * g};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (v[i].len != want[i]) {
+            PyErr_Format(PyExc_ValueError, "e8_merge: stream %zd holds %zd bytes, expected %zd",
+                         i, v[i].len, want[i]);
+            goto done;
+        }
+    }
+    if (out.len % width) {
+        PyErr_SetString(PyExc_ValueError, "e8_merge: output is not whole elements");
+        goto done;
+    }
+    e8_streams s = {.n = n, .g = g, .t = (uint8_t *)v[0].buf, .k = (uint8_t *)v[1].buf};
+    s.m = width == 4 ? (uint8_t *)v[2].buf : NULL;
+    s.nib = (uint8_t *)v[count - 1].buf;
+    s.p = s.nib + 2 * g;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 2)
+        e8_merge16(&s, (uint8_t *)out.buf);
+    else
+        e8_merge32(&s, (uint8_t *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(v, count);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_group_split(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int width, rotation;
+    if (!PyArg_ParseTuple(args, "y*iiw*", &src, &width, &rotation, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (check_width(width, 0) < 0)
+        goto done;
+    if (rotation < 0 || rotation >= 8 * width || src.len % width || out.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "group_split: bad rotation or buffer sizes");
+        goto done;
+    }
+    Py_ssize_t n = src.len / width;
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 2)
+        group16_split((const uint8_t *)src.buf, n, rotation, (uint8_t *)out.buf);
+    else if (width == 4)
+        group32_split((const uint8_t *)src.buf, n, rotation, (uint8_t *)out.buf);
+    else
+        group64_split((const uint8_t *)src.buf, n, rotation, (uint8_t *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_group_merge(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_buffer out, v[8];
+    int width, rotation;
+    if (!PyArg_ParseTuple(args, "Oiiw*", &seq, &width, &rotation, &out))
+        return NULL;
+    if (check_width(width, 0) < 0 || rotation < 0 || rotation >= 8 * width) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "group_merge: bad rotation");
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (get_buffers(seq, v, width) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = out.len / width;
+    const uint8_t *streams[8];
+    for (int b = 0; b < width; b++) {
+        if (v[b].len != n || out.len % width) {
+            PyErr_SetString(PyExc_ValueError, "group_merge: buffer sizes do not match");
+            goto done;
+        }
+        streams[b] = (const uint8_t *)v[b].buf;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (width == 2)
+        group16_merge(streams, n, rotation, (uint8_t *)out.buf);
+    else if (width == 4)
+        group32_merge(streams, n, rotation, (uint8_t *)out.buf);
+    else
+        group64_merge(streams, n, rotation, (uint8_t *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release_buffers(v, width);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"e8_split", py_e8_split, METH_VARARGS,
+     "e8_split(src, width, out): planar exponent split of a frame into out."},
+    {"e8_merge", py_e8_merge, METH_VARARGS,
+     "e8_merge(streams, width, out): inverse of e8_split."},
+    {"group_split", py_group_split, METH_VARARGS,
+     "group_split(src, width, rotation, out): byte grouping after rotating each element."},
+    {"group_merge", py_group_merge, METH_VARARGS,
+     "group_merge(streams, width, rotation, out): inverse of group_split."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernels", "Byte-layout kernels of the codec.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

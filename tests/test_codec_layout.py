@@ -1,0 +1,183 @@
+"""Frame layouts: the C kernels against the numpy definitions, the planar exponent split
+field by field, the numpy fallback, and format version 2 blobs."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_checkfreq import codec
+from ray_checkfreq.codec import blob as blobfmt
+from ray_checkfreq.codec import grouping, layout, planar
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_the_c_kernels_are_built():
+    # The numpy fallback is correct but several times slower: an install that silently
+    # lost its compiled kernels must fail here rather than only in the benchmarks.
+    assert layout.kernels_available()
+
+
+def test_planar_split_fields_of_known_values():
+    x = np.array([1.0, -1.5, 3.0, 0.0], np.float32)
+    # Exponents 127, 127, 128, 0; the sample (every 8th element) is just 1.0, so the
+    # offset is 127 - 32 = 95 and the exponents become 32, 32, 33 and (0 - 95) % 256 = 161.
+    expected = [
+        [32 << 2, 32 << 2 | 2, 33 << 2 | 2, (161 & 63) << 2],  # T: E5..E0, top 2 mantissa bits
+        [95, (161 >> 6) << 6],  # K: the offset, then E7E6 of elements 0..3 at bits 0, 2, 4, 6
+        [0] * 8,  # M: mantissa bits 20..13, then 12..5 (all zero for these values)
+        [0 | 1 << 4, 0, 0],  # R: r = m4..m0 s as nibbles (only -1.5 has a sign), top bits
+    ]
+    frame = x.view(np.uint8)
+    assert [s.tolist() for s in planar.split(frame, 4)] == expected
+    assert [np.asarray(s).tolist() for s in layout.Layout(kind="e8", unit=4).split(frame)] == (
+        expected)
+
+
+FRAMES = st.tuples(st.sampled_from([2, 4]), st.integers(1, 5000), st.integers(0, 2**32 - 1),
+                   st.sampled_from(["random", "normal", "zeros-and-values", "constant"]),
+                   st.integers(0, 3))
+
+
+def make_frame(width: int, n: int, seed: int, kind: str, misalign: int) -> np.ndarray:
+    """n elements of `width` bytes at an address `misalign` bytes off alignment."""
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        data = rng.integers(0, 256, n * width, dtype=np.uint8)
+    else:
+        values = rng.standard_normal(n).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0])
+        if kind == "zeros-and-values":
+            values[rng.random(n) < 0.5] = 0.0
+        elif kind == "constant":
+            values[:] = values[0]
+        words = values.view(np.uint32)
+        data = (words >> 16).astype(np.uint16).view(np.uint8) if width == 2 else (
+            words.view(np.uint8))
+    holder = np.zeros(data.size + misalign, np.uint8)
+    holder[misalign:] = data
+    return holder[misalign:]
+
+
+@settings(max_examples=150, deadline=None)
+@given(FRAMES)
+def test_planar_kernels_equal_the_numpy_definition_and_invert(case):
+    width, n, seed, kind, misalign = case
+    frame = make_frame(width, n, seed, kind, misalign)
+    before = frame.copy()
+    reference = [bytes(s) for s in planar.split(frame, width)]
+    assert [len(s) for s in reference] == planar.stream_lengths(frame.nbytes, width)
+    fast = [bytes(s) for s in layout.Layout(kind="e8", unit=width).split(frame)]
+    assert fast == reference
+    assert np.array_equal(frame, before)
+    for merge in (lambda s, o: planar.merge_into(s, o, width),
+                  layout.Layout(kind="e8", unit=width).merge):
+        holder = np.full(frame.nbytes + misalign, 0xA5, np.uint8)
+        merge(reference, holder[misalign:])
+        assert np.array_equal(holder[misalign:], before)
+
+
+@settings(max_examples=100, deadline=None)
+@given(width=st.sampled_from([2, 4, 8]), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
+       rotation=st.integers(0, 63), misalign=st.integers(0, 7))
+def test_byte_grouping_kernels_equal_the_numpy_definition(width, n, seed, rotation, misalign):
+    rotation %= 8 * width
+    holder = np.random.default_rng(seed).integers(0, 256, n * width + misalign, dtype=np.uint8)
+    frame = holder[misalign:]
+    lay = layout.Layout(kind="bytes", unit=width, rotation=rotation)
+    reference = [bytes(s) for s in grouping.split(frame, width, rotation=rotation)]
+    assert [bytes(s) for s in lay.split(frame)] == reference
+    out = np.zeros(frame.nbytes + misalign, np.uint8)[misalign:]
+    lay.merge(reference, out)
+    assert np.array_equal(out, frame)
+
+
+def test_kernels_refuse_streams_of_the_wrong_size():
+    frame = np.arange(40, dtype=np.uint8)
+    streams = [bytes(s) for s in layout.Layout(kind="e8", unit=4).split(frame)]
+    out = np.empty_like(frame)
+    with pytest.raises(ValueError, match="stream 2"):
+        layout.Layout(kind="e8", unit=4).merge(streams[:2] + [streams[2][:-1]] + streams[3:], out)
+    with pytest.raises(ValueError):
+        layout.Layout(kind="bytes", unit=4, rotation=3).merge([b"\x00" * 9] * 4, out)
+    with pytest.raises(ValueError):
+        layout.Layout(kind="e8", unit=4).merge(streams, out[:-1])
+
+
+def test_exponent_offset_keeps_the_top_exponent_bits_constant_across_binades():
+    # N(0, 1) values lie on both sides of 2.0, where the top exponent bits flip: after
+    # the offset they are constant in every frame, so stream K costs almost nothing.
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(1))
+    blob = codec.encode(x, config=codec.CodecConfig(frame_bytes=1 << 18))
+    header, _ = blobfmt.unpack(blob)
+    k_raw = planar.stream_lengths(1 << 18, 4)[1]
+    for frame in header.frames[:-1]:
+        assert frame.streams[1][1] < 0.05 * k_raw
+    assert raw(codec.decode(blob)) == raw(x)
+
+
+def test_numpy_fallback_writes_and_reads_the_same_blobs(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(70_001, generator=g), torch.randn(50_003, generator=g).bfloat16(),
+               torch.randn(30_001, generator=g).half(), torch.randn(9_999, generator=g).double()]
+    config = codec.CodecConfig(frame_bytes=1 << 16)
+    fast = [codec.encode(t, config=config) for t in tensors]
+    monkeypatch.setattr(layout, "_kernels", None)
+    monkeypatch.setattr(layout, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="numpy fallback"):
+        slow = [codec.encode(t, config=config) for t in tensors]
+    assert slow == fast
+    for t, blob in zip(tensors, fast):
+        assert raw(codec.decode(blob)) == raw(t)
+
+
+# Written by the version 2 encoder (sign bit rotated next to the mantissa): float32
+# (arange(96) - 40) * 0.37 and the same cast to bfloat16, frames of 128 bytes.
+V2_FLOAT32 = base64.b64decode(
+    "UkNGWgIGB2Zsb2F0MzIBYAAAAAAAAAD/BCAAAAAAAAAAAwAAALPmmbmlMADwACAAAAAAIAAAAAAgAAAAARoAAACu"
+    "AdcQrgHXEAAgAAAAACAAAAAAIAAAAAAgAAAAMiUf+xkPDx4AIAAAAAAgAAAAACAAAAABGAAAAA3jd73NSMM+uDOu"
+    "KaQfmhWQCoUAe/Zx183DuK6kmpCFe3HNuMzh9QoeM0dccIWZrsLX6wAUKD2jzPUeR3CZwusUPcwe7Obg29XPycO9"
+    "t7GrpZ+ZlI6Igvjs4NXJvbGlmY6C7NUotS/9JCBtAAAogoKBgIACAGATM8ACic2A0qSQe82ke6SkAKSke6TNe5Ck"
+    "uM1xe4WQmqSuuMPN13H2cMIUzHAUcHAAcHAUcMwUwnAezD0U68KZcEce9cyjPSi9pY7svY69vQA9PQ49bA4lPVVs"
+    "Ag4ZJTE9SVVgbHgCCICAgH9/f359AH1+f39/gICAgICBgYGBgYGBgYGBgYKCewCFCpAVmh+kKa4zuD7DSM1S11xx"
+    "M/a4ez4Aw4VICs0UAOvXwq6ZhXBcRzMeCvXhzLijjz0zKB4UCgD16+HXzA4UGR8lKzE3PUNJT1VbYGZscnh+AgUI"
+    "Cw4RFBYZHB8iKLUv/SQgXQAAGIKCgwIAwBAewAKR20vS")
+V2_BFLOAT16 = base64.b64decode(
+    "UkNGWgIGCGJmbG9hdDE2AWAAAAAAAAAA/wJAAAAAAAAAAAIAAABAodrUpBx4GwBAAAAAATEAAAB0kTNtkROmYgAg"
+    "AAAAARgAAAB7/SGu7efh29XPycO9uLKspqCalI6Igvnt4dXJvbKmmo6C7dW9po7tvY69vQA9PQ49bQ4mPVVtAg4a"
+    "JjI9SVVhbXkCCCi1L/0kQCUBANiCgoGAgICAgH9/f359AH1+f39/gICAgICBgoIDEAB2b3fGAq2K23oOFBogJiwy"
+    "OD1DSU9VW2FnbXN5fwIFCAsOERQXGh0gIyi1L/0kIF0AABiCgoMCAMAQHsACkdtL0g==")
+
+
+def test_version_2_blobs_decode():
+    x = (torch.arange(96, dtype=torch.float32) - 40) * 0.37
+    for blob, expected in ((V2_FLOAT32, x), (V2_BFLOAT16, x.to(torch.bfloat16))):
+        assert blob[4] == 2
+        assert codec.blob_info(blob)["layout"] == "sign-rotated"
+        assert raw(codec.decode(blob)) == raw(expected)
+        codec.verify(blob)
+    assert codec.encode(x)[4] == blobfmt.VERSION == 3
+
+
+def test_headers_naming_a_layout_that_cannot_fit_are_refused():
+    x = torch.randn(5000)
+    blob = codec.encode(x)
+    header, start = blobfmt.unpack(blob)
+    bad_headers = [
+        dataclasses.replace(header, flags=header.flags | blobfmt.FLAG_GROUPED),
+        dataclasses.replace(header, flags=header.flags | blobfmt.FLAG_ROTATE),
+        dataclasses.replace(header, rotation=3),
+        dataclasses.replace(header, dtype="float16"),
+        dataclasses.replace(header, width=4 - 1),
+    ]
+    for bad in bad_headers:
+        with pytest.raises(codec.CorruptBlobError):
+            codec.decode(blobfmt.pack(bad) + blob[start:])
