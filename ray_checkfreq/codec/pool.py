@@ -48,8 +48,13 @@ def run_indexed(fn: Callable[[int], object], count: int, threads: int) -> list:
                 return
             results[i] = fn(i)
 
-    futures = [_shared_pool().submit(lane) for _ in range(workers)]
-    wait(futures)  # every lane finishes before an error propagates
+    # The caller runs one lane itself: for tensors of a few frames, handing every lane to
+    # the pool and sleeping cost more than the second thread gained.
+    futures = [_shared_pool().submit(lane) for _ in range(workers - 1)]
+    try:
+        lane()
+    finally:
+        wait(futures)  # every lane finishes before an error propagates
     for fut in futures:
         fut.result()
     return results
