@@ -135,7 +135,7 @@ def test_numpy_fallback_writes_and_reads_the_same_blobs(monkeypatch):
     with pytest.warns(RuntimeWarning, match="numpy fallback"):
         slow = [codec.encode(t, config=config) for t in tensors]
     assert slow == fast
-    for t, blob in zip(tensors, fast):
+    for t, blob in zip(tensors, fast, strict=True):
         assert raw(codec.decode(blob)) == raw(t)
 
 
