@@ -102,7 +102,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             "was given as base= to encode")
     stored = payload[offset:offset + entry.stored_len]
     streams, pos, raw_crc = [], 0, 0
-    for (method, n), stream_len in zip(entry.streams, plan.layout.stream_lengths(hi - lo), strict=True):
+    lengths = plan.layout.stream_lengths(hi - lo)
+    for (method, n), stream_len in zip(entry.streams, lengths, strict=True):
         chunk = stored[pos:pos + n]
         pos += n
         if method == METHOD_ZSTD:
