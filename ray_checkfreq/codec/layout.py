@@ -23,7 +23,6 @@ SINGLE = "single"  # one stream: the bytes as they are
 BYTES = "bytes"  # byte j of every element (rotated left by `rotation` bits first)
 E8 = "e8"  # planar exponent split of 8-bit-exponent floats (see planar.py)
 SIGN_ROTATED = "sign-rotated"  # format version 2 byte grouping; decoded, never written
-KINDS = (SINGLE, BYTES, E8, SIGN_ROTATED)
 
 _warned = False
 
