@@ -6,8 +6,8 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Sequence
 
 from ray_checkfreq.bench import BENCHMARKS
 from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError

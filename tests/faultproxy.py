@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import http.client
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "expect", "host"}
 _ERROR_XML = (
@@ -84,7 +84,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         self._thread.start()
         return self
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from state_strategies import assert_same_state, states
 
 from ray_checkfreq import (
     CheckpointNotFoundError,
@@ -21,7 +22,6 @@ from ray_checkfreq import (
     UnsupportedStateError,
 )
 from ray_checkfreq.storage.manifest import body_checksum
-from state_strategies import assert_same_state, states
 
 
 def training_state(seed: int = 0) -> dict:

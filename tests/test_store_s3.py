@@ -8,10 +8,10 @@ from urllib.parse import urlparse
 import boto3
 import pytest
 import torch
-
 from faultproxy import FaultProxy
-from ray_checkfreq import CheckpointStore, S3Options, StorageError
 from state_strategies import assert_same_state
+
+from ray_checkfreq import CheckpointStore, S3Options, StorageError
 
 pytestmark = pytest.mark.s3
 MiB = 1024 * 1024

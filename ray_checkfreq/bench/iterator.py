@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 

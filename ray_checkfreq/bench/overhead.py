@@ -24,7 +24,7 @@ import copy
 import json
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -67,7 +67,7 @@ class Trainer:
         self.inputs = torch.randn(64, width)
         self.cf: CheckFreq | None = None
 
-    def twin(self) -> "Trainer":
+    def twin(self) -> Trainer:
         other = copy.copy(self)
         other.model = copy.deepcopy(self.model)
         other.opt = torch.optim.Adam(other.model.parameters(), lr=1e-4)

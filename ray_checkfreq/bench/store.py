@@ -20,7 +20,7 @@ import socket
 import statistics
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

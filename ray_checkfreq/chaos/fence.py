@@ -14,7 +14,7 @@ class CountingOptimizer(torch.optim.Optimizer):
         super().__init__(params, {})
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ARG002 - the Optimizer signature
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ray_checkfreq.data.core import STATE_VERSION, DataState, DataStateError, RankSlice, Sharding, rank_slices
 from ray_checkfreq.data.context import train_context
+from ray_checkfreq.data.core import STATE_VERSION, DataState, DataStateError, RankSlice, Sharding, rank_slices
 from ray_checkfreq.data.factory import resumable
 from ray_checkfreq.data.index import IndexIterator
 from ray_checkfreq.data.iterator import ResumableIterator

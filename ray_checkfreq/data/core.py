@@ -23,8 +23,9 @@ resumes with the next epoch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ray_checkfreq.errors import CheckFreqError
 
@@ -122,7 +123,7 @@ class DataState:
         }
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, Any], *, expect: "DataState") -> "DataState":
+    def from_dict(cls, state: Mapping[str, Any], *, expect: DataState) -> DataState:
         """Validate a saved state against this iterator (``expect``) and parse it."""
         if not isinstance(state, Mapping):
             raise DataStateError("<state>", type(state).__name__, "a mapping")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ray_checkfreq.data.context import train_context
 from ray_checkfreq.data.core import Sharding

@@ -6,7 +6,7 @@ what every other front end reads.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -9,7 +9,8 @@ after receiving batch i always resumes at batch i + 1.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from ray_checkfreq.data.core import DataState, RankSlice, Sharding, rank_slices
 from ray_checkfreq.data.order import Order

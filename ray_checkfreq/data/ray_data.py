@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from ray_checkfreq.data.core import RankSlice, Sharding
 from ray_checkfreq.data.context import train_context
+from ray_checkfreq.data.core import RankSlice, Sharding
 from ray_checkfreq.data.iterator import ResumableIterator, wants_keys
 from ray_checkfreq.data.order import Order, WindowedOrder
 from ray_checkfreq.data.seeds import SampleKeys

@@ -8,8 +8,9 @@ worker runs it; workers are started per epoch, so nothing else can leak between 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset

@@ -16,8 +16,9 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -339,7 +340,7 @@ class CheckFreq:
         finally:
             self._snapshotter.close()
 
-    def __enter__(self) -> "CheckFreq":
+    def __enter__(self) -> CheckFreq:
         return self
 
     def __exit__(self, *exc: Any) -> None:

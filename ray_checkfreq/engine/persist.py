@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.errors import CheckFreqError

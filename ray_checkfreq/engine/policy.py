@@ -50,7 +50,7 @@ class Profile:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "Profile":
+    def from_json(cls, data: dict) -> Profile:
         fields = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - fields
         if unknown:

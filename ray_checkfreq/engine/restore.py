@@ -6,7 +6,8 @@ silently accepts state of the wrong shape; these checks name the first mismatch 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -21,16 +21,16 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 from ray_checkfreq.storage.arrays import leaf_spec
-from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.manifest import (
     CHECKPOINT_DIR,
     MANIFEST_NAME,
