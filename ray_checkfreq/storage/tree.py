@@ -1,9 +1,19 @@
-"""Split a nested training state into a JSON skeleton and a list of array leaves.
+"""One walker over nested training state, and the storage split built on it.
 
-The skeleton is plain JSON in which every container is a one-key object naming its
-type, so that int dict keys (an optimizer's ``state``), tuples (Adam's ``betas``),
-``OrderedDict`` with its ``_metadata`` (a module's ``state_dict()``) and non-finite
-floats come back exactly as they were saved. Array leaves are replaced by
+``walk_state`` visits a state once, checks every key and value, and hands each node
+to a ``StateVisitor`` together with its key path twice: as a tuple of the real keys
+(``("optimizer", "state", 0, "exp_avg")``, unique within a state, used wherever code
+keys something by leaf) and as a name (``"optimizer/state/0/exp_avg"``, the manifest's
+``key`` and the export name). Names are the keys joined by ``/`` as they always were,
+except where that would let two leaves share a name: a str key holding ``/`` or ``%``
+is percent-encoded (``"a/b"`` -> ``"a%2Fb"``), and a str key that reads like a non-str
+key beside it (``"0"`` next to ``0``, ``"True"`` next to ``True``) also has its first
+character encoded (``"%30"``). Distinct leaves therefore always have distinct names.
+
+The storage split: the skeleton is plain JSON in which every container is a one-key
+object naming its type, so that int dict keys (an optimizer's ``state``), tuples
+(Adam's ``betas``), ``OrderedDict`` with its ``_metadata`` (a module's ``state_dict()``)
+and non-finite floats come back exactly as they were saved. Array leaves are replaced by
 ``{"tensor": i}``, ``{"ndarray": i}`` or ``{"npscalar": i}``, where ``i`` indexes the
 leaf list. Nothing here is ever unpickled: unknown tags are rejected on load.
 """
@@ -14,7 +24,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -23,104 +33,136 @@ from ray_checkfreq.errors import UnsupportedStateError
 
 MAX_DEPTH = 64
 
-Leaf = Union[torch.Tensor, np.ndarray]
+Leaf = torch.Tensor | np.ndarray
+KeyPath = tuple[Any, ...]
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class FlatState:
-    """A state split for storage: ``skeleton`` is JSON, ``leaves[i]`` are arrays."""
+class _MetadataKey:
+    """The path part of an ``OrderedDict``'s ``_metadata``: never equal to a dict key."""
 
-    skeleton: Any
-    leaves: list[Leaf]
-    key_paths: list[str]
+    __slots__ = ()
 
-
-def format_key_path(path: tuple) -> str:
-    """``("optimizer", "state", 0, "exp_avg")`` -> ``"optimizer/state/0/exp_avg"``."""
-    return "/".join(str(part) for part in path) if path else "<root>"
+    def __repr__(self) -> str:
+        return "METADATA"
 
 
-def flatten_state(state: Mapping[str, Any]) -> FlatState:
-    """Split ``state``; raises UnsupportedStateError naming the first bad key path."""
-    if not isinstance(state, Mapping):
-        raise UnsupportedStateError("<root>", f"state must be a mapping, got {type(state).__name__}")
-    leaves: list[Leaf] = []
-    key_paths: list[str] = []
-    skeleton = _encode(state, (), leaves, key_paths)
-    return FlatState(skeleton=skeleton, leaves=leaves, key_paths=key_paths)
+METADATA = _MetadataKey()
+_METADATA_NAME = "%metadata"  # escaped names only hold %XX (hex), so this one is free
 
 
-def _encode(value: Any, path: tuple, leaves: list, key_paths: list) -> Any:
+class StateVisitor(Generic[T]):
+    """What ``walk_state`` builds: one method per kind of node, children visited first."""
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> T:
+        """A tensor (detached), numpy array or numpy scalar."""
+        raise NotImplementedError
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> T:
+        """None, bool, int, float or str."""
+        raise NotImplementedError
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, T]],
+                metadata: T | None) -> T:
+        """``metadata``: the visited ``_metadata`` of an ``OrderedDict`` (None when it has none)."""
+        raise NotImplementedError
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[T]) -> T:
+        raise NotImplementedError
+
+
+def walk_state(state: Any, visitor: StateVisitor[T]) -> T:
+    """Visit ``state``; raises UnsupportedStateError naming the first bad key path."""
+    return _visit(state, (), "", visitor)
+
+
+def _visit(value: Any, path: KeyPath, name: str, visitor: StateVisitor[T]) -> T:
     if len(path) > MAX_DEPTH:
-        raise UnsupportedStateError(format_key_path(path), f"nesting deeper than {MAX_DEPTH} (a cycle?)")
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return _encode_float(float(value))
+        raise UnsupportedStateError(_shown(name), f"nesting deeper than {MAX_DEPTH} (a cycle?)")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return visitor.scalar(path, name, value)
     if isinstance(value, torch.Tensor):
-        return {"tensor": _add_leaf(_checked_tensor(value, path), path, leaves, key_paths)}
+        return visitor.leaf(path, name, _checked_tensor(value, name))
     if isinstance(value, np.ndarray):
-        return {"ndarray": _add_leaf(_checked_ndarray(value, path), path, leaves, key_paths)}
+        return visitor.leaf(path, name, _checked_ndarray(value, name))
     if isinstance(value, np.generic):
-        array = _checked_ndarray(np.asarray(value), path)
-        return {"npscalar": _add_leaf(array, path, leaves, key_paths)}
+        _checked_ndarray(np.asarray(value), name)
+        return visitor.leaf(path, name, value)
     if isinstance(value, Mapping):
-        return _encode_mapping(value, path, leaves, key_paths)
+        return _visit_mapping(value, path, name, visitor)
     if isinstance(value, (list, tuple)):
-        tag = "tuple" if isinstance(value, tuple) else "list"
-        return {tag: [_encode(v, path + (i,), leaves, key_paths) for i, v in enumerate(value)]}
+        items = [_visit(v, path + (i,), _child(name, str(i)), visitor) for i, v in enumerate(value)]
+        return visitor.sequence(path, name, value, items)
     raise UnsupportedStateError(
-        format_key_path(path),
+        _shown(name),
         f"value of type {type(value).__module__}.{type(value).__qualname__} is not a tensor, "
         "numpy array or JSON-able value (None, bool, int, float, str, list, tuple, dict)",
     )
 
 
-def _encode_float(value: float) -> Any:
-    if math.isfinite(value):
-        return value
-    return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-
-
-def _encode_mapping(value: Mapping, path: tuple, leaves: list, key_paths: list) -> dict:
-    for key in value:
-        _check_key(key, path)
-    if all(isinstance(k, str) for k in value):
-        body: Any = {k: _encode(v, path + (k,), leaves, key_paths) for k, v in value.items()}
-        tag = "dict"
-    else:
-        body = [[k, _encode(v, path + (k,), leaves, key_paths)] for k, v in value.items()]
-        tag = "items"
-    node: dict[str, Any] = {tag: body}
+def _visit_mapping(value: Mapping, path: KeyPath, name: str, visitor: StateVisitor[T]) -> T:
+    parts = key_names(list(value.keys()), name)
+    items = [(k, _visit(v, path + (k,), _child(name, part), visitor))
+             for (k, v), part in zip(value.items(), parts)]
+    metadata = None
     if isinstance(value, OrderedDict):
-        node["ordered"] = True
-        metadata = getattr(value, "_metadata", None)
-        if metadata is not None:
-            node["metadata"] = _encode(metadata, path + ("_metadata",), leaves, key_paths)
-    return node
+        raw = getattr(value, "_metadata", None)
+        if raw is not None:
+            metadata = _visit(raw, path + (METADATA,), _child(name, _METADATA_NAME), visitor)
+    return visitor.mapping(path, name, value, items, metadata)
 
 
-def _check_key(key: Any, path: tuple) -> None:
-    ok = key is None or isinstance(key, (str, bool, int)) or (
-        isinstance(key, float) and math.isfinite(key)
+def key_names(keys: list, parent: str = "") -> list[str]:
+    """The name part of each key of one mapping: distinct for distinct keys."""
+    plain = [_checked_key(k, parent) for k in keys]
+    taken = {p for k, p in zip(keys, plain) if not isinstance(k, str)}
+    return [_escape(k, lookalike=k in taken) if isinstance(k, str) else p for k, p in zip(keys, plain)]
+
+
+def _checked_key(key: Any, parent: str) -> str:
+    if isinstance(key, str):
+        return str.__str__(key)
+    if isinstance(key, bool) or key is None:
+        return str(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float) and math.isfinite(key):
+        return float.__repr__(key)
+    raise UnsupportedStateError(
+        _shown(_child(parent, str(key))),
+        f"dict key of type {type(key).__name__} (allowed: str, int, bool, finite float, None)",
     )
-    if not ok:
-        raise UnsupportedStateError(
-            format_key_path(path + (key,)),
-            f"dict key of type {type(key).__name__} (allowed: str, int, bool, finite float, None)",
-        )
 
 
-def _add_leaf(leaf: Leaf, path: tuple, leaves: list, key_paths: list) -> int:
-    leaves.append(leaf)
-    key_paths.append(format_key_path(path))
-    return len(leaves) - 1
+def _escape(key: str, *, lookalike: bool) -> str:
+    """Percent-encoding of ``%`` and ``/`` (and of the first character when ``lookalike``)."""
+    text = str.__str__(key).replace("%", "%25").replace("/", "%2F")
+    if lookalike:  # then ``key`` reads like an int, float, bool or None: no % or / in it
+        text = f"%{ord(text[0]):02X}{text[1:]}"
+    return text
 
 
-def _checked_tensor(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
-    where = format_key_path(path)
+def _child(name: str, part: str) -> str:
+    return f"{name}/{part}" if name else part
+
+
+def _shown(name: str) -> str:
+    return name or "<root>"
+
+
+def format_key_path(path: KeyPath) -> str:
+    """A tuple path as a name, for messages: ``("optimizer", "state", 0)`` -> ``"optimizer/state/0"``.
+
+    Without the siblings of each key it cannot tell ``"0"`` from ``0``; the names that key
+    stored leaves come from ``walk_state``.
+    """
+    parts = [_METADATA_NAME if p is METADATA else (_escape(p, lookalike=False) if isinstance(p, str)
+             else _checked_key(p, "")) for p in path]
+    return "/".join(parts) if parts else "<root>"
+
+
+def _checked_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    where = _shown(name)
     if tensor.layout != torch.strided:
         raise UnsupportedStateError(where, f"tensor layout {tensor.layout} is not supported (only dense)")
     if tensor.is_quantized:
@@ -133,13 +175,103 @@ def _checked_tensor(tensor: torch.Tensor, path: tuple) -> torch.Tensor:
 _NUMPY_KINDS = frozenset("biufc")
 
 
-def _checked_ndarray(array: np.ndarray, path: tuple) -> np.ndarray:
+def _checked_ndarray(array: np.ndarray, name: str) -> np.ndarray:
     if array.dtype.kind not in _NUMPY_KINDS or array.dtype.fields is not None:
         raise UnsupportedStateError(
-            format_key_path(path),
-            f"numpy dtype {array.dtype} is not supported (only bool, integer, float, complex)",
+            _shown(name), f"numpy dtype {array.dtype} is not supported (only bool, integer, float, complex)",
         )
     return array
+
+
+class _LeafCollector(StateVisitor[None]):
+    def __init__(self) -> None:
+        self.found: list[tuple[KeyPath, str, Any]] = []
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> None:
+        self.found.append((path, name, value))
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> None:
+        return None
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list, metadata: Any) -> None:
+        return None
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list) -> None:
+        return None
+
+
+def leaves_of(state: Any) -> list[tuple[KeyPath, str, Any]]:
+    """``(path, name, leaf)`` of every tensor and array of ``state``, in order."""
+    collector = _LeafCollector()
+    walk_state(state, collector)
+    return collector.found
+
+
+# ------------------------------------------------------------------ storage split
+@dataclass(frozen=True)
+class FlatState:
+    """A state split for storage: ``skeleton`` is JSON, ``leaves[i]`` are arrays.
+
+    ``key_paths[i]`` is the unique name of leaf i, ``paths[i]`` its tuple path.
+    """
+
+    skeleton: Any
+    leaves: list[Leaf]
+    key_paths: list[str]
+    paths: list[KeyPath]
+
+
+def flatten_state(state: Mapping[str, Any]) -> FlatState:
+    """Split ``state``; raises UnsupportedStateError naming the first bad key path."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError("<root>", f"state must be a mapping, got {type(state).__name__}")
+    encoder = _SkeletonEncoder()
+    skeleton = walk_state(state, encoder)
+    return FlatState(skeleton=skeleton, leaves=encoder.leaves, key_paths=encoder.names, paths=encoder.paths)
+
+
+class _SkeletonEncoder(StateVisitor[Any]):
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.names: list[str] = []
+        self.paths: list[KeyPath] = []
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> Any:
+        tag = "tensor" if isinstance(value, torch.Tensor) else (
+            "ndarray" if isinstance(value, np.ndarray) else "npscalar")
+        self.leaves.append(np.asarray(value) if tag == "npscalar" else value)
+        self.names.append(_shown(name))
+        self.paths.append(path)
+        return {tag: len(self.leaves) - 1}
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        return _encode_float(float(value))
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]],
+                metadata: Any) -> Any:
+        node: dict[str, Any]
+        if all(isinstance(k, str) for k, _ in items):
+            node = {"dict": {str.__str__(k): v for k, v in items}}
+        else:
+            node = {"items": [[k, v] for k, v in items]}
+        if isinstance(value, OrderedDict):
+            node["ordered"] = True
+            if metadata is not None:
+                node["metadata"] = metadata
+        return node
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
+        return {"tuple" if isinstance(value, tuple) else "list": items}
+
+
+def _encode_float(value: float) -> Any:
+    if math.isfinite(value):
+        return value
+    return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
 
 
 def unflatten_state(skeleton: Any, leaves: list[Any]) -> Any:
