@@ -65,7 +65,8 @@ def shuffle_quality(ids: np.ndarray, num_rows: int, global_batch: int) -> dict[s
 
 
 # -- before / after ---------------------------------------------------------------------------------
-def before_after(num_samples: int = 10_000, batch_size: int = 32, interrupt_at: float = 0.6) -> dict[str, dict[str, int]]:
+def before_after(num_samples: int = 10_000, batch_size: int = 32,
+                 interrupt_at: float = 0.6) -> dict[str, dict[str, int]]:
     """Samples repeated / missed in the interrupted epoch: stock iterators vs ours.
 
     Scenarios: (1) same world size, a DataLoader(shuffle=True) that restarts the epoch;
@@ -79,7 +80,7 @@ def before_after(num_samples: int = 10_000, batch_size: int = 32, interrupt_at: 
         hits = np.bincount(np.asarray(seen, dtype=np.int64), minlength=num_samples)
         return {"repeated": int(np.sum(np.maximum(hits - 1, 0))), "missed": int(np.sum(hits == 0))}
 
-    data = list(range(num_samples))
+    data: Any = list(range(num_samples))  # a list is a map-style dataset; torch's stubs disagree
     steps = int(num_samples * interrupt_at) // batch_size
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
     seen = [i for _, b in zip(range(steps), loader) for i in b.tolist()]
@@ -89,19 +90,21 @@ def before_after(num_samples: int = 10_000, batch_size: int = 32, interrupt_at: 
     out["ours, same world size"] = count(_ours_run(num_samples, batch_size, steps, 1, 1))
     for new in (3, 5):
         steps = int(num_samples * interrupt_at) // (batch_size * 4)
-        out[f"stock DistributedSampler, 4 -> {new} ranks, skip"] = count(_stock_elastic(data, batch_size, steps, 4, new))
+        stock = _stock_elastic(data, batch_size, steps, 4, new)
+        out[f"stock DistributedSampler, 4 -> {new} ranks, skip"] = count(stock)
         out[f"ours, 4 -> {new} ranks"] = count(_ours_run(num_samples, batch_size, steps, 4, new))
     return out
 
 
-def _stock_elastic(data: list[int], batch_size: int, steps: int, old: int, new: int) -> list[int]:
+def _stock_elastic(data: Any, batch_size: int, steps: int, old: int, new: int) -> list[int]:
     """DistributedSampler(seed, set_epoch): `old` ranks take `steps` batches, `new` ranks skip as many."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     seen: list[int] = []
     for world, before in ((old, True), (new, False)):
         for rank in range(world):
-            sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+            sampler: DistributedSampler[int] = DistributedSampler(
+                data, num_replicas=world, rank=rank, shuffle=True, seed=0)
             sampler.set_epoch(0)
             for k, b in enumerate(DataLoader(data, batch_size=batch_size, sampler=sampler)):
                 if (k < steps) == before:
@@ -176,7 +179,8 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
         return resumable(ds, batch_size=cfg.batch_size, seed=seed, rank=0, world_size=1, options=options)
 
     def stock(source: Any = ds):
-        return source.iter_torch_batches(batch_size=cfg.batch_size, local_shuffle_buffer_size=cfg.shuffle_buffer or None)
+        return source.iter_torch_batches(
+            batch_size=cfg.batch_size, local_shuffle_buffer_size=cfg.shuffle_buffer or None)
 
     variants: dict[str, Callable[[int], Iterable[Any]]] = {
         "ours": lambda rep: ours(seed=rep),
@@ -201,13 +205,16 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
         skip = int(batches_per_epoch * p)
         state = {**ours().state_dict(), "consumed": skip * cfg.batch_size}
 
-        def restored():
+        def restored(state: dict = state) -> Any:
             it = ours()
             it.load_state_dict(state)
             return it
 
+        def skipped(skip: int = skip) -> Any:
+            return itertools.islice(stock(), skip, None)
+
         ours_s = min(_first_batch_s(restored) for _ in range(cfg.repeats))
-        skip_s = min(_first_batch_s(lambda: itertools.islice(stock(), skip, None)) for _ in range(cfg.repeats))
+        skip_s = min(_first_batch_s(skipped) for _ in range(cfg.repeats))
         resume.append({"position": p, "skipped_batches": skip, "ours_s": ours_s, "skip_batches_s": skip_s})
     return {
         "config": asdict(cfg),
@@ -234,10 +241,13 @@ def format_report(result: dict[str, Any]) -> str:
         lines += [f"  ratio ours / {STOCK} (local shuffle buffer): {result['ratio_ours_to_stock']:.2f}x", ""]
         lines += ["shuffle quality", f"  {'order':<28}{'spearman':>10}{'nbr same batch':>16}{'displacement':>14}"]
         for k, q in result["shuffle_quality"].items():
-            lines.append(f"  {k:<28}{q['spearman']:>10.3f}{q['neighbours_same_batch']:>16.4f}{q['displacement']:>14.3f}")
-        lines += ["", "time to first batch after a restore (best of repeats)", f"  {'position':>9}{'skipped':>9}{'ours s':>10}{'skip s':>10}"]
+            lines.append(f"  {k:<28}{q['spearman']:>10.3f}{q['neighbours_same_batch']:>16.4f}"
+                         f"{q['displacement']:>14.3f}")
+        lines += ["", "time to first batch after a restore (best of repeats)",
+                  f"  {'position':>9}{'skipped':>9}{'ours s':>10}{'skip s':>10}"]
         for r in result["resume"]:
-            lines.append(f"  {r['position']:>9.0%}{r['skipped_batches']:>9}{r['ours_s']:>10.3f}{r['skip_batches_s']:>10.3f}")
+            lines.append(f"  {r['position']:>9.0%}{r['skipped_batches']:>9}{r['ours_s']:>10.3f}"
+                         f"{r['skip_batches_s']:>10.3f}")
         lines.append("")
     lines += ["before/after: interrupted epoch", f"  {'iterator':<46}{'repeated':>9}{'missed':>8}"]
     lines += [f"  {k:<46}{v['repeated']:>9}{v['missed']:>8}" for k, v in result["before_after"].items()]

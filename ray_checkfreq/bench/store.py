@@ -77,9 +77,11 @@ def _ours(open_store: Callable[[str], CheckpointStore], state: dict, repeat: int
     for codec in CODECS:
         store = open_store(codec)
         steps = iter(range(10**9))
-        figures[f"{codec}_save_s"] = _median_seconds(lambda: store.save(next(steps), state), repeat)
-        figures[f"{codec}_load_s"] = _median_seconds(lambda: store.load(), repeat)
-        figures[f"{codec}_stored_bytes"] = store.latest().size_bytes
+        figures[f"{codec}_save_s"] = _median_seconds(lambda: store.save(next(steps), state), repeat)  # noqa: B023
+        figures[f"{codec}_load_s"] = _median_seconds(store.load, repeat)
+        latest = store.latest()
+        assert latest is not None, f"nothing committed in {store.uri}"
+        figures[f"{codec}_stored_bytes"] = latest.size_bytes
     return figures
 
 
@@ -143,7 +145,8 @@ def _print_table(size_mb: int, results: dict[str, dict]) -> None:
     print(f"state: {size_mb} MiB of float32 tensors (randn); median of runs; MB/s = MiB of state per second")
     print("torch = torch.save + fsync / torch.load (local); torch.save to memory + upload_fileobj / "
           "download + torch.load (S3)")
-    print(f"{'where':<6} {'op':<5} {'ours raw':>12} {'ours rcfz':>12} {'torch':>12} {'raw/torch':>10} {'rcfz/torch':>11}")
+    print(f"{'where':<6} {'op':<5} {'ours raw':>12} {'ours rcfz':>12} {'torch':>12} "
+          f"{'raw/torch':>10} {'rcfz/torch':>11}")
     for where, fig in results.items():
         for op in ("save", "load"):
             torch_rate = size_mb / fig[f"torch_{op}_s"]

@@ -41,6 +41,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DaliIterator",
+    "DaliSource",
+    "RayDataIterator",
+    "RayDataOptions",
+    "TorchIterator",
+    "TorchLoaderOptions",
     "STATE_VERSION",
     "DataState",
     "DataStateError",
@@ -57,5 +63,4 @@ __all__ = [
     "sample_rng",
     "sample_seeds",
     "train_context",
-    *_LAZY,
 ]

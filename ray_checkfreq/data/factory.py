@@ -53,10 +53,10 @@ def resumable(
     """
     if (rank is None) != (world_size is None):
         raise ValueError(f"give both rank and world_size or neither, got rank={rank}, world_size={world_size}")
-    if rank is None:
+    if rank is None or world_size is None:
         rank, world_size = train_context() or (0, 1)
     sharding = Sharding(batch_size=batch_size, world_size=world_size, rank=rank, drop_last=drop_last)
-    common = dict(sharding=sharding, seed=seed, shuffle=shuffle)
+    common: dict[str, Any] = dict(sharding=sharding, seed=seed, shuffle=shuffle)
     if isinstance(source, bool) or not _known(source):
         raise TypeError(
             f"cannot iterate a {type(source).__name__}: expected a ray.data.Dataset, a DaliSource, "

@@ -41,7 +41,10 @@ def epoch_rng(seed: int, epoch: int, purpose: int, *more: int) -> np.random.Gene
 class Order(Protocol):
     """A permutation of the epoch's samples, read by position ranges."""
 
-    num_samples: int
+    @property
+    def num_samples(self) -> int:
+        """How many samples the epoch holds."""
+        ...
 
     def take(self, lo: int, hi: int) -> np.ndarray:
         """Global sample indices at epoch positions [lo, hi)."""

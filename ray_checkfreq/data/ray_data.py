@@ -153,7 +153,9 @@ class _Reader:
         table = pa.concat_tables([tables[blk].slice(off, length) for blk, off, length in wanted])
         if rows is not None and len(rows) < table.num_rows:
             table = table.take(pa.array(rows))  # copy only this rank's rows
-        return BlockAccessor.for_block(table).to_numpy()
+        columns = BlockAccessor.for_block(table).to_numpy()
+        assert isinstance(columns, dict)  # columns=None: one array per column
+        return columns
 
 
 class RayDataIterator(ResumableIterator):
