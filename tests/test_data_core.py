@@ -107,7 +107,8 @@ def test_states_agree_across_ranks_and_roll_over_at_the_epoch_end():
 
 def _phase(n, batch, world, state, steps, seed, drop_last):
     """`world` ranks take up to `steps` lockstep batches from `state`; returns (indices, state, world)."""
-    its = [resumable(n, batch_size=batch, seed=seed, rank=r, world_size=world, drop_last=drop_last) for r in range(world)]
+    its = [resumable(n, batch_size=batch, seed=seed, rank=r, world_size=world, drop_last=drop_last)
+           for r in range(world)]
     for it in its:
         it.load_state_dict(state)
     gens = [iter(it) for it in its]

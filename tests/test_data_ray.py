@@ -66,7 +66,8 @@ def test_batches_match_iter_torch_batches_types(small_ray_dataset):
     import torch
 
     options = RayDataOptions(chunk_rows=16, window_chunks=2, dtypes={"x": torch.float64})
-    it = resumable(small_ray_dataset, batch_size=10, seed=0, options=options, transform=lambda b: {**b, "y": b["id"] * 2})
+    it = resumable(small_ray_dataset, batch_size=10, seed=0, options=options,
+                   transform=lambda b: {**b, "y": b["id"] * 2})
     batches = list(it)
     first = batches[0]
     assert set(first) == {"id", "x", "y"}

@@ -40,7 +40,8 @@ def make(request):
     if kind == "index":
         source, extra = N, {}
     elif kind == "torch":
-        source, extra = SquaresDataset(N), dict(transform=jitter_sample, options=TorchLoaderOptions(num_workers=2, multiprocessing_context="forkserver"))
+        options = TorchLoaderOptions(num_workers=2, multiprocessing_context="forkserver")
+        source, extra = SquaresDataset(N), dict(transform=jitter_sample, options=options)
     elif kind == "dali":
         source, extra = dali_source(N), {}
     else:
