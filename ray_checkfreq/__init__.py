@@ -8,6 +8,7 @@ from ray_checkfreq.errors import (
     CheckFreqError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FencedWriterError,
     StorageError,
     UnsupportedStateError,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointRef",
     "CheckpointStore",
     "CorruptCheckpointError",
+    "FencedWriterError",
     "PersistError",
     "RestoreMismatchError",
     "S3Options",

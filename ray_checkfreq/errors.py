@@ -45,3 +45,21 @@ class CheckpointNotFoundError(CheckFreqError, LookupError):
 
 class StorageError(LocatedError):
     """Storage refused an operation (missing bucket, bad credentials, full disk, ...)."""
+
+
+class FencedWriterError(StorageError):
+    """A save from a writer generation that a newer writer on the same URI has superseded.
+
+    Nothing of that save is committed. ``args`` is ``(location, writer_generation,
+    newer_generation)`` so that it pickles unchanged.
+    """
+
+    def __init__(self, location: str, writer_generation: int, newer_generation: int) -> None:
+        super().__init__(
+            location,
+            f"writer generation {writer_generation} is fenced: generation {newer_generation} "
+            "has taken over this URI (another process saves here now); nothing was committed",
+        )
+        self.args = (location, writer_generation, newer_generation)
+        self.writer_generation = writer_generation
+        self.newer_generation = newer_generation

@@ -78,12 +78,16 @@ def test_file_uri_and_plain_path_are_the_same_store(tmp_path):
     assert [r.step for r in CheckpointStore(str(tmp_path)).list()] == [1]
 
 
+def _checkpoint_dirs(root) -> list[str]:
+    return [name for name in os.listdir(root) if name.startswith("step-")]
+
+
 def test_retention_keeps_newest_and_epoch_boundaries(tmp_path):
     store = CheckpointStore(str(tmp_path), keep_last=2, full_every=1)
     for step in range(1, 8):
         store.save(step, {"x": torch.full((4,), step)}, epoch_boundary=(step == 3))
     assert [r.step for r in store.list()] == [3, 6, 7]
-    assert len(os.listdir(tmp_path)) == 3
+    assert len(_checkpoint_dirs(tmp_path)) == 3
 
 
 def test_deltas_keep_their_base_and_a_full_checkpoint_comes_every_n_saves(tmp_path):
@@ -138,7 +142,7 @@ def test_retention_without_epoch_boundaries(tmp_path):
     assert [r.step for r in store.list()] == [4]
 
 
-def test_retention_never_deletes_the_only_intact_checkpoint(tmp_path):
+def test_a_shard_that_lands_short_fails_the_save_and_keeps_the_only_intact_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path), keep_last=1)
     store.save(1, {"x": torch.ones(1000)})
     original_write = store.backend.write
@@ -147,9 +151,11 @@ def test_retention_never_deletes_the_only_intact_checkpoint(tmp_path):
         original_write(rel_path, [bytes(memoryview(chunks[0])[:10])])
 
     store.backend.write = torn_write
-    store.save(2, {"x": torch.ones(1000)})
+    with pytest.raises(StorageError, match="missing or short after the commit") as info:
+        store.save(2, {"x": torch.ones(1000)})
     store.backend.write = original_write
-    assert [r.step for r in store.list()] == [1, 2]
+    assert "step-000000000002-" in str(info.value)
+    assert [r.step for r in store.list()] == [1]
     assert store.latest().step == 1
 
 
@@ -270,7 +276,7 @@ def test_unsupported_state_is_refused_by_key_path_before_any_write(tmp_path, sta
         store.save(2, state)
     assert info.value.key_path == key_path and repr(key_path) in str(info.value)
     assert [r.step for r in store.list()] == [1]
-    assert len(os.listdir(tmp_path)) == 1
+    assert len(_checkpoint_dirs(tmp_path)) == 1
 
 
 def test_invalid_arguments_are_named(tmp_path):
@@ -302,7 +308,7 @@ def test_a_full_disk_fails_the_save_clearly_and_keeps_the_last_checkpoint(tiny_d
         store.save(2, {"w": torch.randn(1_000_000)})  # ~3.4 MB compressed, into 2 MiB
     assert str(tiny_disk) in str(info.value)
     assert [r.step for r in store.list()] == [1]
-    assert len(os.listdir(tiny_disk)) == 1  # the partial directory is gone
+    assert len(_checkpoint_dirs(tiny_disk)) == 1  # the partial directory is gone
     assert torch.equal(store.load()["w"], torch.ones(1000))
     store.save(3, {"w": torch.zeros(1000)})  # space was given back
     assert store.latest().step == 3

@@ -24,7 +24,8 @@ CHECKSUM_ALGORITHM = "crc32"
 # Shard names are plain file names: nothing a manifest says can leave its directory.
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
-CHECKPOINT_DIR = re.compile(r"^step-(\d{12,})-([0-9a-f]{8})$")
+# step-<step>-[g<writer generation>-]<random>; without "g" (written before fencing): generation 0.
+CHECKPOINT_DIR = re.compile(r"^step-(?P<step>\d{12,})-(?:g(?P<generation>\d{6,18})-)?(?P<suffix>[0-9a-f]{8})$")
 # "raw": the leaf's bytes as they are; "rcfz": a ray_checkfreq.codec blob (self-describing).
 CODECS = frozenset({"raw", "rcfz"})
 
@@ -64,6 +65,7 @@ class Manifest:
     state: Any
     meta: dict = field(default_factory=dict)
     delta_base: str | None = None  # directory name of the full checkpoint deltas refer to
+    writer_generation: int = 0  # of the store that wrote it; 0 = written before writer fencing
 
     @property
     def size_bytes(self) -> int:
@@ -80,6 +82,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "meta": manifest.meta,
         "delta_base": manifest.delta_base,
+        "writer_generation": manifest.writer_generation,
         "shards": [{"name": s.name, "size_bytes": s.size_bytes} for s in manifest.shards],
         "tensors": [_tensor_json(t) for t in manifest.tensors],
         "state": manifest.state,
@@ -154,6 +157,7 @@ def _build_manifest(body: dict) -> Manifest:
         state=body.get("state"),
         meta=meta,
         delta_base=delta_base,
+        writer_generation=_nonneg_int(body, "writer_generation") if "writer_generation" in body else 0,
     )
 
 

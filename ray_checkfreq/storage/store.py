@@ -1,21 +1,38 @@
 """CheckpointStore: the one way ray_checkfreq reads and writes checkpoints.
 
-Layout under the root URI: one directory per checkpoint, ``step-<12 digits>-<8 hex>``,
-holding shard files and ``manifest.json``. Commit protocol (invariants):
+Layout under the root URI: one directory per checkpoint,
+``step-<12 digits>-g<writer generation>-<8 hex>``, holding shard files and
+``manifest.json``; ``writers/`` holds one marker per writer generation (see ``fencing``).
+Commit protocol (invariants):
 
 1. Shards are new files in a new directory (a random suffix, so a re-saved step never
    touches the files of an earlier save of that step).
-2. The manifest is written last, after every shard is durable; a directory without a
-   manifest is not a checkpoint, and the next save deletes it.
-3. Retention runs only after the new manifest is durable, deletes a checkpoint's
+2. The manifest is written last, after every shard is durable, with an exclusive create;
+   a directory without a manifest is not a checkpoint.
+3. Writer fencing. A store that saves holds a writer generation, newer than every one
+   taken before on its URI (taken at its first save or by ``acquire_writer``; reading
+   never takes one). A save checks for a newer generation before writing and again
+   right before the commit, and raises ``FencedWriterError`` (committing nothing) when
+   there is one. After the commit it checks its shards are still there and undoes the
+   commit otherwise (a newer writer removed the directory while this one was between
+   its check and its commit).
+4. Checkpoints are ordered by (writer generation, step, commit time, name): a stale
+   writer's commit that slips through the window between check and commit still sorts
+   below every checkpoint of the newer writer, so it never becomes the latest over them.
+5. Housekeeping never touches a newer writer's checkpoints or in-flight directories. It
+   removes in-flight directories of its own or older generations: an older writer is
+   fenced from the moment this one took its generation (before it looked), and one that
+   had passed its last check already undoes its own commit (3).
+6. Retention runs only after the new manifest is durable, deletes a checkpoint's
    manifest before its shards (an interrupted delete leaves an uncommitted directory,
-   never a committed one with holes), and stops counting at ``keep_last`` checkpoints
-   whose shards are all present at their recorded sizes, so the newest valid one is
-   never deleted.
+   never a committed one with holes), stops counting at ``keep_last`` checkpoints whose
+   shards are all present at their recorded sizes, and never deletes the checkpoint just
+   saved nor the newest one this store object verified (read in full) or wrote.
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
@@ -26,7 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from ray_checkfreq.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedWriterError,
+    StorageError,
+    UnsupportedStateError,
+)
+from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -86,6 +110,7 @@ class CheckpointRef:
     name: str = ""
     created_unix_ns: int = 0
     size_bytes: int = 0
+    writer_generation: int = 0  # 0: written before writer fencing
 
 
 @dataclass
@@ -103,6 +128,7 @@ class _Entry:
 
     name: str
     step: int
+    generation: int
     files: dict[str, int]
     manifest: Manifest | None = None
     fault: CorruptCheckpointError | None = None
@@ -111,9 +137,9 @@ class _Entry:
     def committed(self) -> bool:
         return MANIFEST_NAME in self.files
 
-    def order_key(self) -> tuple:
+    def order_key(self) -> tuple[int, int, int, str]:
         created = self.manifest.created_unix_ns if self.manifest else 0
-        return (self.step, created, self.name)
+        return (self.generation, self.step, created, self.name)
 
     def shards_present(self) -> bool:
         assert self.manifest is not None
@@ -123,8 +149,11 @@ class _Entry:
 class CheckpointStore:
     """Crash-consistent checkpoints under one URI (path, ``file://``, ``s3://``, pyarrow.fs).
 
-    One process writes a given URI at a time (the rank that owns the state); any
-    number may read.
+    One writer at a time: a store that saves takes a writer generation (see the module
+    docstring), and a save from a store whose generation a newer writer has superseded
+    raises ``FencedWriterError``. Any number may read. ``writer_generation`` adopts a
+    generation taken by ``acquire_writer`` elsewhere (one writer, handed over); a pickled
+    store is a new writer and takes its own.
     """
 
     def __init__(
@@ -141,6 +170,7 @@ class CheckpointStore:
         full_every: int = 8,
         filesystem: Any = None,
         s3: S3Options | None = None,
+        writer_generation: int | None = None,
     ) -> None:
         self.config = StoreConfig(
             keep_last=keep_last,
@@ -157,6 +187,9 @@ class CheckpointStore:
         self.uri = self.backend.root_uri
         self._lock = threading.Lock()
         self._base: _DeltaBase | None = None
+        self._generation = _checked_generation(writer_generation)
+        self._generation_confirmed = False
+        self._verified: set[str] = set()  # checkpoints this object wrote or read in full
 
     def __reduce__(self) -> tuple:
         uri, filesystem, s3 = self._init_args
@@ -191,17 +224,69 @@ class CheckpointStore:
         )
         flat = flatten_state(state)  # refuses bad state before any I/O
         with self._lock:
-            self._delete_leftovers()
-            name = f"step-{step:012d}-{uuid.uuid4().hex[:8]}"
+            entries = self._scan(read_manifests=False)
+            generation = self._writer(entries)
+            self._check_fence(entries)
+            self._delete_leftovers(entries)
+            name = f"step-{step:012d}-g{generation:06d}-{uuid.uuid4().hex[:8]}"
             base = self._usable_base(options)
             try:
                 manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base)
-            except BaseException:
+            except BaseException as err:
                 self._discard(name)
+                self._raise_if_fenced(err)
                 raise
             self._remember_base(name, manifest, flat, options)
-            self._apply_retention()
+            self._verified.add(name)
+            self._apply_retention(just_saved=name)
         return self._ref(name, manifest)
+
+    # ------------------------------------------------------------ writer fencing
+    @property
+    def writer_generation(self) -> int | None:
+        """This store's writer generation; None until it saves or calls ``acquire_writer``."""
+        return self._generation
+
+    def acquire_writer(self) -> int:
+        """Take a writer generation now, fencing every older writer on this URI; returns it.
+
+        A store that already holds one keeps it. ``save`` calls this first when needed.
+        """
+        with self._lock:
+            return self._writer(self._scan(read_manifests=False))
+
+    def _writer(self, entries: builtins.list[_Entry]) -> int:
+        if self._generation is None:
+            in_use = max((e.generation for e in entries), default=0)
+            self._generation = fencing.acquire_generation(self.backend, in_use)
+            logger.info("%s: writer generation %d taken", self.uri, self._generation)
+        elif not self._generation_confirmed and not fencing.has_marker(self.backend, self._generation):
+            raise StorageError(
+                self.backend.uri(fencing.marker_path(self._generation)),
+                f"writer generation {self._generation} was never taken on this URI (see acquire_writer)",
+            )
+        self._generation_confirmed = True
+        return self._generation
+
+    def _check_fence(self, entries: builtins.list[_Entry] | None = None) -> None:
+        """Raise FencedWriterError if a newer writer has taken this URI."""
+        assert self._generation is not None
+        newest = fencing.newest_marker(self.backend)
+        if entries:
+            newest = max(newest, *(e.generation for e in entries))
+        if newest > self._generation:
+            raise FencedWriterError(self.uri, self._generation, newest)
+
+    def _raise_if_fenced(self, err: BaseException) -> None:
+        """A save that failed because a newer writer took over says so."""
+        if isinstance(err, FencedWriterError) or not isinstance(err, Exception) or self._generation is None:
+            return
+        try:
+            self._check_fence()
+        except FencedWriterError as fenced:
+            raise fenced from err
+        except Exception:  # the original failure is the one to report
+            return
 
     def _usable_base(self, options: EncodeOptions) -> _DeltaBase | None:
         base = self._base
@@ -239,9 +324,22 @@ class CheckpointStore:
             state=flat.skeleton,
             meta=meta,
             delta_base=base.name if base is not None and any(t.delta for t in entries) else None,
+            writer_generation=self._generation or 0,
         )
-        self.backend.write_atomic(f"{name}/{MANIFEST_NAME}", encode_manifest(manifest))
+        self._check_fence()
+        self._commit(name, manifest)
         return manifest
+
+    def _commit(self, name: str, manifest: Manifest) -> None:
+        path = f"{name}/{MANIFEST_NAME}"
+        if not self.backend.create_exclusive(path, encode_manifest(manifest)):
+            raise StorageError(self.backend.uri(path), "a manifest is there already: two writers share a generation?")
+        files = self.backend.list_files(name)
+        missing = [s.name for s in manifest.shards if files.get(s.name) != s.size_bytes]
+        if missing:
+            self.backend.delete_file(path)  # uncommit: never leave a manifest without its shards
+            raise StorageError(self.backend.uri(name), f"shards {missing} missing or short after the commit "
+                               "(removed by another writer?); the commit was undone")
 
     def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any,
                      options: EncodeOptions, base: _DeltaBase | None) -> tuple:
@@ -271,14 +369,32 @@ class CheckpointStore:
             logger.warning("could not remove partial checkpoint %s: %s", self.backend.uri(name), err)
 
     # ------------------------------------------------------------ housekeeping
-    def _delete_leftovers(self) -> None:
-        for entry in self._scan(read_manifests=False):
-            if not entry.committed:
+    def _mine_to_remove(self, entry: _Entry) -> bool:
+        """Housekeeping touches only this writer's and older writers' directories."""
+        return self._generation is not None and entry.generation <= self._generation
+
+    def _delete_leftovers(self, entries: builtins.list[_Entry]) -> None:
+        for entry in entries:
+            if not entry.committed and self._mine_to_remove(entry):
                 logger.info("removing interrupted save %s", self.backend.uri(entry.name))
                 self.backend.delete_dir(entry.name)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, just_saved: str) -> None:
         entries = self._committed()
+        keep = self._retained(entries)
+        keep.add(just_saved)
+        newest_verified = next((e.name for e in reversed(entries) if e.name in self._verified), None)
+        if newest_verified is not None:
+            keep.add(newest_verified)
+        # A delta is only as good as its base: keep every base a kept checkpoint refers to.
+        keep |= {e.manifest.delta_base for e in entries if e.name in keep and e.manifest and e.manifest.delta_base}
+        for entry in entries:
+            if entry.name not in keep and self._mine_to_remove(entry):
+                self._delete(entry.name)
+        self._verified &= keep
+
+    def _retained(self, entries: builtins.list[_Entry]) -> set[str]:
+        """The newest ``keep_last`` intact checkpoints, and older intact epoch boundaries."""
         keep: set[str] = set()
         kept_intact = 0
         for entry in reversed(entries):
@@ -286,13 +402,9 @@ class CheckpointStore:
             if kept_intact < self.config.keep_last:
                 kept_intact += intact
                 keep.add(entry.name)
-            elif intact and self.config.keep_epoch_boundaries and entry.manifest.epoch_boundary:
+            elif intact and self.config.keep_epoch_boundaries and entry.manifest and entry.manifest.epoch_boundary:
                 keep.add(entry.name)
-        # A delta is only as good as its base: keep every base a kept checkpoint refers to.
-        keep |= {e.manifest.delta_base for e in entries if e.name in keep and e.manifest and e.manifest.delta_base}
-        for entry in entries:
-            if entry.name not in keep:
-                self._delete(entry.name)
+        return keep
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.
@@ -312,12 +424,13 @@ class CheckpointStore:
             self._delete(name)
 
     # ------------------------------------------------------------------ listing
-    def _scan(self, read_manifests: bool = True) -> list[_Entry]:
+    def _scan(self, read_manifests: bool = True) -> builtins.list[_Entry]:
         entries = []
         for name in self.backend.list_dirs():
             match = CHECKPOINT_DIR.match(name)
             if match:
-                entry = _Entry(name=name, step=int(match.group(1)), files=self.backend.list_files(name))
+                entry = _Entry(name=name, step=int(match["step"]), generation=int(match["generation"] or 0),
+                               files=self.backend.list_files(name))
                 if read_manifests and entry.committed:
                     self._read_manifest_into(entry)
                 entries.append(entry)
@@ -329,18 +442,26 @@ class CheckpointStore:
             entry.manifest = decode_manifest(bytes(self.backend.read(f"{entry.name}/{MANIFEST_NAME}")))
             if entry.manifest.step != entry.step:
                 raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
+            if entry.manifest.writer_generation != entry.generation:
+                raise ManifestError(
+                    f"writer generation {entry.manifest.writer_generation} does not match directory {entry.name}"
+                )
         except ManifestError as err:
             entry.manifest = None
             entry.fault = CorruptCheckpointError(location, str(err))
         except FileNotFoundError:
             entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
 
-    def _committed(self) -> list[_Entry]:
-        """Committed checkpoints, oldest first (by step, then commit time)."""
+    def _committed(self) -> builtins.list[_Entry]:
+        """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
         return sorted((e for e in self._scan() if e.committed), key=_Entry.order_key)
 
-    def list(self) -> list[CheckpointRef]:
-        """Committed checkpoints whose manifest is readable, oldest first."""
+    def list(self) -> builtins.list[CheckpointRef]:
+        """Committed checkpoints whose manifest is readable, oldest first.
+
+        Ordered by writer generation, then step, then commit time: a newer writer's
+        checkpoints come after every older writer's, whatever their steps.
+        """
         refs = []
         for entry in self._committed():
             if entry.manifest is None:
@@ -349,7 +470,7 @@ class CheckpointStore:
                 refs.append(self._ref(entry.name, entry.manifest))
         return refs
 
-    def scan(self) -> list[tuple[CheckpointRef | None, str, CorruptCheckpointError | None]]:
+    def scan(self) -> builtins.list[tuple[CheckpointRef | None, str, CorruptCheckpointError | None]]:
         """Every checkpoint directory: ``(ref or None, dir name, manifest fault)``, oldest first.
 
         Includes uncommitted leftovers (ref None, fault None) and unreadable manifests.
@@ -364,7 +485,7 @@ class CheckpointStore:
         """The newest checkpoint that verifies (reads and checks all of its bytes)."""
         for ref in self._newest_first():
             try:
-                self.verify(ref)
+                self.verify(ref)  # remembers it as verified
                 return ref
             except CorruptCheckpointError as err:
                 logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
@@ -382,6 +503,7 @@ class CheckpointStore:
             name=name,
             created_unix_ns=manifest.created_unix_ns,
             size_bytes=manifest.size_bytes,
+            writer_generation=manifest.writer_generation,
         )
 
     def _find(self, ref_or_step: CheckpointRef | int) -> CheckpointRef:
@@ -394,7 +516,9 @@ class CheckpointStore:
         matches = [e for e in entries if e.step == ref_or_step]
         if not matches:
             steps = [e.step for e in entries]
-            raise CheckpointNotFoundError(f"no committed checkpoint for step {ref_or_step} in {self.uri} (steps: {steps})")
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for step {ref_or_step} in {self.uri} (steps: {steps})"
+            )
         entry = matches[-1]
         if entry.manifest is None:
             assert entry.fault is not None
@@ -427,13 +551,16 @@ class CheckpointStore:
     def _read(self, ref: CheckpointRef, *, build: bool) -> Any:
         manifest, leaves = self._read_leaves(ref, build=build)
         if not build:
+            self._verified.add(ref.name)
             return None
         try:
-            return unflatten_state(manifest.state, leaves)
+            state = unflatten_state(manifest.state, leaves)
         except SkeletonError as err:
             raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
+        self._verified.add(ref.name)
+        return state
 
-    def _read_leaves(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, list]:
+    def _read_leaves(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, builtins.list]:
         manifest = self._load_manifest(ref)
         bases = self._read_base(ref, manifest, build=build)
         files = self.backend.list_files(ref.name)
@@ -463,7 +590,7 @@ class CheckpointStore:
             raise CorruptCheckpointError(location, f"its delta base is unusable: {err}") from None
         return {t.key: leaf for t, leaf in zip(base_manifest.tensors, base_leaves)}
 
-    def _read_leaves_of_full(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, list]:
+    def _read_leaves_of_full(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, builtins.list]:
         manifest = self._load_manifest(ref)
         if manifest.delta_base is not None:
             raise CorruptCheckpointError(self._manifest_uri(ref), "a delta base is itself a delta")
@@ -490,8 +617,8 @@ class CheckpointStore:
                 location, f"shard is {files[shard.name]} bytes, manifest says {shard.size_bytes} (truncated?)"
             )
 
-    def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: list[int],
-                    leaves: list, build: bool, bases: dict[str, Any]) -> None:
+    def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: builtins.list[int],
+                    leaves: builtins.list, build: bool, bases: dict[str, Any]) -> None:
         location = self.backend.uri(f"{ref.name}/{shard}")
         try:
             buffer = self.backend.read(f"{ref.name}/{shard}")
@@ -550,6 +677,12 @@ def _check_metadata_name(name: str) -> None:
 
     if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,100}\.json", name) or ".." in name:
         raise ValueError(f"metadata name {name!r}: expected a plain lower-case file name ending in .json")
+
+
+def _checked_generation(generation: Any) -> int | None:
+    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int) or generation < 1):
+        raise ValueError(f"writer_generation={generation!r}: must be an int >= 1 (from acquire_writer) or None")
+    return generation
 
 
 def _rebuild_store(uri: str, kwargs: dict) -> CheckpointStore:

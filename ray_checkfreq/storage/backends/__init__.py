@@ -18,10 +18,8 @@ def open_backend(uri: str, *, filesystem: Any = None, s3: S3Options | None = Non
         raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
     parsed = urlparse(uri)
     if filesystem is not None:
-        from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
-
         path = (parsed.netloc + parsed.path) if parsed.scheme else uri
-        return ArrowBackend(filesystem, path, root_uri=uri)
+        return _on_filesystem(filesystem, path, uri)
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/")):
         from ray_checkfreq.storage.backends.posix import PosixBackend
 
@@ -33,16 +31,27 @@ def open_backend(uri: str, *, filesystem: Any = None, s3: S3Options | None = Non
     return _arrow_from_uri(uri)
 
 
-def _arrow_from_uri(uri: str) -> Backend:
+def _on_filesystem(filesystem: Any, path: str, uri: str) -> Backend:
     import pyarrow.fs
 
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        # pyarrow's local streams never fsync; the POSIX backend does (durable on return).
+        from ray_checkfreq.storage.backends.posix import PosixBackend
+
+        return PosixBackend(path)
     from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
+
+    return ArrowBackend(filesystem, path, root_uri=uri)
+
+
+def _arrow_from_uri(uri: str) -> Backend:
+    import pyarrow.fs
 
     try:
         filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
     except (OSError, ValueError) as err:
         raise ValueError(f"storage URI {uri!r} is not understood by pyarrow.fs: {err}") from err
-    return ArrowBackend(filesystem, path, root_uri=uri)
+    return _on_filesystem(filesystem, path, uri)
 
 
 __all__ = ["Backend", "S3Options", "open_backend"]

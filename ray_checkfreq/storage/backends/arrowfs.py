@@ -2,6 +2,11 @@
 
 Object stores (S3, GCS) make an object visible only when its upload completes, so the
 manifest is written in place; other filesystems get a temporary name and a move.
+Durability is what the filesystem promises once an output stream is closed: a completed
+upload on S3 and GCS, the block pipeline's acknowledgement on HDFS. A local
+``pyarrow.fs.LocalFileSystem`` never gets here: ``open_backend`` hands it to the POSIX
+backend, which fsyncs. pyarrow has no conditional create, so ``create_exclusive`` is the
+base class's check-then-write.
 """
 
 from __future__ import annotations
@@ -42,6 +47,22 @@ class ArrowBackend(Backend):
         from pyarrow import fs as pafs
 
         return {i.base_name: i.size for i in self._infos(rel_dir) if i.type == pafs.FileType.File}
+
+    def _type(self, rel: str) -> Any:
+        try:
+            return self.fs.get_file_info(self._path(rel)).type
+        except OSError as err:
+            raise StorageError(self.uri(rel), f"cannot stat: {err}") from err
+
+    def exists(self, rel_path: str) -> bool:
+        from pyarrow import fs as pafs
+
+        return self._type(rel_path) == pafs.FileType.File
+
+    def root_exists(self) -> bool:
+        from pyarrow import fs as pafs
+
+        return self._type("") != pafs.FileType.NotFound or self.fs.type_name in _OBJECT_STORES
 
     def make_dir(self, rel_dir: str) -> None:
         try:

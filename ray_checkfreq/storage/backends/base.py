@@ -39,6 +39,30 @@ class Backend(ABC):
     def write_atomic(self, rel_path: str, data: bytes) -> None:
         """Make ``data`` appear at ``rel_path`` in one step; durable on return."""
 
+    def create_exclusive(self, rel_path: str, data: bytes, *, make_parents: bool = False) -> bool:
+        """Make ``data`` appear at ``rel_path`` in one step unless something is there already.
+
+        Durable on return. False, and nothing written, when ``rel_path`` exists. The parent
+        directory must exist unless ``make_parents``. This default checks, then writes: a
+        race between writers; backends with a conditional create override it.
+        """
+        if self.exists(rel_path):
+            return False
+        self.write_atomic(rel_path, data)
+        return True
+
+    def exists(self, rel_path: str) -> bool:
+        """Whether the file ``rel_path`` exists."""
+        try:
+            self.read(rel_path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def root_exists(self) -> bool:
+        """Whether the root is there to read (an empty S3 prefix counts as there)."""
+        return True
+
     @abstractmethod
     def read(self, rel_path: str) -> Any:
         """The whole file, in a writable buffer (see ``uninitialized_buffer``)."""
@@ -53,6 +77,7 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release connections; the default has none."""
+        return None
 
 
 def uninitialized_buffer(size: int) -> Any:

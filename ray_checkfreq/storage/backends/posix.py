@@ -1,10 +1,11 @@
-"""Local (POSIX) storage: exclusive create, fsync, rename, directory fsync."""
+"""Local (POSIX) storage: exclusive create, fsync, rename or link, directory fsync."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,37 @@ class PosixBackend(Backend):
         except OSError as err:
             _unlink_quietly(tmp)
             raise _storage_error(path, "commit failed", err) from err
+
+    def create_exclusive(self, rel_path: str, data: bytes, *, make_parents: bool = False) -> bool:
+        path = self._path(rel_path)
+        parent = os.path.dirname(path)
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            if make_parents and not os.path.isdir(parent):
+                os.makedirs(parent, exist_ok=True)
+                _fsync_dir(os.path.dirname(parent))
+            # No makedirs otherwise: a directory another writer removed must stay removed.
+            with open(tmp, "xb", buffering=0) as f:
+                _write_all(f, data)
+                os.fsync(f.fileno())
+            _fsync_dir(parent)
+            try:
+                os.link(tmp, path)  # atomic, and fails if the name exists: rename would replace
+            except FileExistsError:
+                return False
+            finally:
+                _unlink_quietly(tmp)
+            _fsync_dir(parent)
+            return True
+        except OSError as err:
+            _unlink_quietly(tmp)
+            raise _storage_error(path, "commit failed", err) from err
+
+    def exists(self, rel_path: str) -> bool:
+        return os.path.isfile(self._path(rel_path))
+
+    def root_exists(self) -> bool:
+        return os.path.isdir(self.root)
 
     def read(self, rel_path: str) -> Any:
         path = self._path(rel_path)

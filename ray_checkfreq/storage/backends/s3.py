@@ -11,16 +11,19 @@ from __future__ import annotations
 import bisect
 import io
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 
+logger = logging.getLogger("ray_checkfreq.storage")
 MiB = 1024 * 1024
+_CONFLICT_ATTEMPTS = 5
 _RETRY_MODES = ("legacy", "standard", "adaptive")
 _CREDENTIAL_CODES = {
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -136,6 +139,57 @@ class S3Backend(Backend):
         with _translated(self.uri(rel_path), "commit"):
             self.client.put_object(Bucket=self.bucket, Key=self._key(rel_path), Body=bytes(data))
 
+    def create_exclusive(self, rel_path: str, data: bytes, *, make_parents: bool = False) -> bool:
+        """A PutObject with ``If-None-Match: *``: S3 refuses it (412) when the key exists."""
+        key = self._key(rel_path)
+        body = bytes(data)
+        with _translated(self.uri(rel_path), "commit"):
+            for _ in range(_CONFLICT_ATTEMPTS):
+                outcome = self._put_if_absent(key, body)
+                if outcome is not None:
+                    return outcome
+        raise StorageError(self.uri(rel_path), "commit: conditional writes kept conflicting (409)")
+
+    def _put_if_absent(self, key: str, body: bytes) -> bool | None:
+        """True: created; False: the key exists; None: a concurrent conditional write, retry."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            code = _error_code(exc)
+            if code == "PreconditionFailed":
+                # A retried PUT whose first attempt landed finds its own bytes there.
+                return self._object_bytes(key) == body
+            if code == "ConditionalRequestConflict":
+                return None
+            if code != "NotImplemented":
+                raise
+        _warn_unconditional(self.root_uri)
+        if self._object_bytes(key) is not None:
+            return False
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
+        return True
+
+    def _object_bytes(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+
+    def exists(self, rel_path: str) -> bool:
+        try:
+            with _translated(self.uri(rel_path), "read"):
+                self.client.head_object(Bucket=self.bucket, Key=self._key(rel_path))
+        except FileNotFoundError:
+            return False
+        return True
+
     def read(self, rel_path: str) -> Any:
         key = self._key(rel_path)
         with _translated(self.uri(rel_path), "read"):
@@ -236,7 +290,7 @@ class _translated:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc is None or isinstance(exc, StorageError):
             return False
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -248,6 +302,22 @@ class _translated:
         if isinstance(exc, BotoCoreError):
             raise StorageError(self.location, f"{self.action} failed after retries: {exc}") from exc
         return False
+
+
+def _error_code(exc: Any) -> str:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return {412: "PreconditionFailed", 409: "ConditionalRequestConflict", 501: "NotImplemented"}.get(status, code)
+
+
+_warned_unconditional: set[str] = set()
+
+
+def _warn_unconditional(root_uri: str) -> None:
+    if root_uri not in _warned_unconditional:
+        _warned_unconditional.add(root_uri)
+        logger.warning("%s: the server has no conditional PutObject (If-None-Match); commits and writer "
+                       "generations fall back to check-then-write, a race between concurrent writers", root_uri)
 
 
 def _client_error(location: str, action: str, exc: Any) -> Exception:
