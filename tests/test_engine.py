@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
+from resume_jobs import Progress, assert_resumed_at_newest, crash_in_child, newest_committed
 
 from ray_checkfreq import CheckpointStore
 from ray_checkfreq.chaos import CountingOptimizer, torn_iterations
@@ -136,7 +138,21 @@ class Counter:
         self.consumed = state["consumed"]
 
 
-def _full_run(storage, total, crash_at=None):
+@dataclass
+class Run:
+    """A finished run of the job below: its live objects and where it started."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    data: Counter
+    cf: CheckFreq
+    start: int
+    executed: int
+
+
+def _full_run(storage, total, kill_at=None, progress=None) -> Run:
+    """The job; with ``kill_at`` it SIGKILLs its own process when it reaches that iteration."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 1))
@@ -145,11 +161,11 @@ def _full_run(storage, total, crash_at=None):
     data = Counter()
     cf = CheckFreq(model=model, optimizer=opt, storage=storage, data=data, extra_state={"sched": sched},
                    profile_iters=4, epoch_len=20)
+    record = Progress(progress)
     start = cf.restore()
+    executed = 0
     for it in range(start, total):
-        if it == crash_at:
-            cf.close()
-            return None
+        record.kill_if(it, kill_at)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(it))
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()  # dropout draws from the global RNG
@@ -157,30 +173,38 @@ def _full_run(storage, total, crash_at=None):
         sched.step()
         data.consumed += 8
         cf.step()
+        executed += 1
+        record.record(it + 1, cf.stats()["k"])
     cf.close()
-    return model, opt, sched, data, cf
+    return Run(model, opt, sched, data, cf, start, executed)
 
 
 def test_restore_after_a_crash_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     reference = _full_run(str(tmp_path / "ref"), 40)
-    _full_run(str(tmp_path / "run"), 40, crash_at=27)
+    crash = crash_in_child(_full_run, tmp_path / "progress", storage=str(tmp_path / "run"), total=40, kill_at=27)
+    assert crash.kill_iteration == 27
+    newest = newest_committed(str(tmp_path / "run"))
     resumed = _full_run(str(tmp_path / "run"), 40)
-    for a, b in zip(reference[0].state_dict().values(), resumed[0].state_dict().values()):
+    assert_resumed_at_newest(crash, newest, start=resumed.start, executed=resumed.executed, total=40)
+    for a, b in zip(reference.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.equal(a, b)
-    assert reference[2].state_dict() == resumed[2].state_dict()
-    assert resumed[3].consumed == 40 * 8
-    for a, b in zip(reference[1].state_dict()["state"].values(), resumed[1].state_dict()["state"].values()):
+    assert reference.sched.state_dict() == resumed.sched.state_dict()
+    assert resumed.data.consumed == 40 * 8
+    for a, b in zip(reference.opt.state_dict()["state"].values(), resumed.opt.state_dict()["state"].values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_profile_is_cached_and_reused_after_a_restart(tmp_path):
-    first = _full_run(str(tmp_path), 30)[4]
+def test_the_profile_is_cached_and_reused_after_a_graceful_restart(tmp_path):
+    first = _full_run(str(tmp_path), 30).cf
     assert first.stats()["profiling_s"] > 0
     cached = CheckpointStore(str(tmp_path)).read_metadata(PROFILE_NAME)
     assert cached["decision"]["k"] == first.decision.k
-    second = _full_run(str(tmp_path), 45)[4]
-    assert second.stats()["profiling_s"] == 0.0
-    assert second.profile == first.profile
+    newest = CheckpointStore(str(tmp_path)).latest()
+    second = _full_run(str(tmp_path), 45)
+    assert newest is not None and newest.step > 0
+    assert (second.start, second.executed) == (newest.step, 45 - newest.step)
+    assert second.cf.stats()["profiling_s"] == 0.0
+    assert second.cf.profile == first.profile
 
 
 def test_restoring_into_the_wrong_model_or_optimizer_names_the_key(tmp_path):

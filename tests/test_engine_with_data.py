@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from resume_jobs import Progress, assert_resumed_at_newest, crash_in_child, newest_committed
 
 from ray_checkfreq import CheckFreq
 from ray_checkfreq.data import TorchLoaderOptions, resumable
@@ -21,43 +24,56 @@ class Points(torch.utils.data.Dataset):
         return {"index": torch.tensor(index), "x": torch.randn(4, generator=generator)}
 
 
-def _train(storage: str, crash_after: int | None, seen: list[int]):
+@dataclass
+class Run:
+    model: torch.nn.Module
+    start: int
+    executed: int
+    seen: list[int]
+
+
+def _train(storage: str, kill_at: int | None = None, progress: str | None = None) -> Run:
+    """The job; with ``kill_at`` it SIGKILLs its own process when it reaches that iteration."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = resumable(Points(), batch_size=BATCH, seed=3, options=TorchLoaderOptions(num_workers=0))
     cf = CheckFreq(model=model, optimizer=opt, storage=storage, data=data, every=5)
-    done = cf.restore()
+    record = Progress(progress)
+    start = done = cf.restore()
+    seen: list[int] = []
     while data.epoch < EPOCHS:
         for batch in data:
-            if done == crash_after:
-                cf.close()
-                return None
+            record.kill_if(done, kill_at)
             opt.zero_grad()
             model(batch["x"]).pow(2).mean().backward()
             opt.step()
             seen.extend(batch["index"].tolist())
             done += 1
             cf.step()
+            record.record(done, cf.stats()["k"], batch["index"].tolist())
     cf.close()
-    return model
+    return Run(model, start, done - start, seen)
 
 
 def test_resume_mid_epoch_is_exact_and_sees_every_sample_once(tmp_path):
-    reference_seen: list[int] = []
-    reference = _train(str(tmp_path / "ref"), None, reference_seen)
-    first: list[int] = []
-    assert _train(str(tmp_path / "run"), 17, first) is None  # 17 batches, checkpoint after 15
-    second: list[int] = []
-    resumed = _train(str(tmp_path / "run"), None, second)
-    # the 2 batches after the last checkpoint are trained again; nothing else repeats
-    replayed = first[15 * BATCH:]
-    assert second[: len(replayed)] == replayed
-    assert first[: 15 * BATCH] + second == reference_seen
+    reference = _train(str(tmp_path / "ref"))
+    crash = crash_in_child(_train, tmp_path / "progress", storage=str(tmp_path / "run"), kill_at=17)
+    assert crash.kill_iteration == 17 and len(crash.samples) == 17 * BATCH
+    newest = newest_committed(str(tmp_path / "run"))  # 15, or 10 if the save of 15 was still in flight
+    resumed = _train(str(tmp_path / "run"))
+    total = EPOCHS * (SAMPLES // BATCH)
+    assert_resumed_at_newest(crash, newest, start=resumed.start, executed=resumed.executed, total=total)
+    assert len(resumed.seen) == (total - newest.step) * BATCH
+    # the batches after the newest checkpoint are trained again; nothing else repeats
+    replayed = crash.samples[newest.step * BATCH:]
+    assert resumed.seen[: len(replayed)] == replayed
+    assert crash.samples[: newest.step * BATCH] + resumed.seen == reference.seen
     per_epoch = SAMPLES // BATCH * BATCH
     for epoch in range(EPOCHS):
-        assert sorted(reference_seen[epoch * per_epoch:(epoch + 1) * per_epoch]) == list(range(SAMPLES))
-    assert torch.equal(reference.weight, resumed.weight) and torch.equal(reference.bias, resumed.bias)
+        assert sorted(reference.seen[epoch * per_epoch:(epoch + 1) * per_epoch]) == list(range(SAMPLES))
+    assert torch.equal(reference.model.weight, resumed.model.weight)
+    assert torch.equal(reference.model.bias, resumed.model.bias)
 
 
 def test_iterating_and_resuming_leave_the_global_rng_alone():
