@@ -1,46 +1,72 @@
 """Phase 1 of a checkpoint: an in-memory snapshot taken off the critical path.
 
 Invariant: parameters and optimizer state change only inside ``optimizer.step()``. Their
-copies therefore run asynchronously (a CUDA side stream, or a host thread on a CPU-only
-machine) while the next forward/backward runs, and the fence before the next
-``optimizer.step()`` waits for them. Everything else (module buffers such as BatchNorm
-statistics, which forward passes update, scheduler, data iterator and RNG states) is
-copied synchronously when the snapshot starts. A snapshot is therefore never a mix of
-two iterations.
+copies therefore run asynchronously (a side stream on each device that holds them, or a
+host thread for host memory) while the next forward/backward runs, and the fence before
+the next ``optimizer.step()`` makes every such device wait for them. Everything else
+(module buffers such as BatchNorm statistics, which forward passes update, scheduler,
+data iterator and RNG states) is copied when the snapshot starts, ahead of any later
+work. A snapshot is therefore never a mix of two iterations.
+
+A GPU-mode snapshot lives in spare device memory; the persist phase (``CopyHandle.wait``)
+moves it to the host once per leaf, on the devices' copy streams, into pinned buffers
+that are reused from one snapshot to the next, and the encoder reads those. Buffers are
+keyed by each leaf's tuple key path, so two leaves never share one.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+from ray_checkfreq.engine.devices import CudaOps, DeviceOps
+from ray_checkfreq.storage.tree import KeyPath, StateVisitor, leaves_of, walk_state
+
+CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class CopyHandle:
-    """Completion of one snapshot's asynchronous copies."""
+    """Completion of one snapshot's copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: DeviceOps | None = None) -> None:
+        self._ops = ops
         self._host_done = threading.Event()
-        self._cuda_event: Any = None
+        self._device_events: dict[Any, Any] = {}
+        self._to_host: Callable[[], None] | None = None
+        self._to_host_lock = threading.Lock()
         self.error: BaseException | None = None
+
+    @property
+    def devices(self) -> list[Any]:
+        """The devices whose copies the fence orders."""
+        return list(self._device_events)
 
     def fence(self) -> None:
         """Called before the next weight update: after it, the update may overwrite sources."""
-        if self._cuda_event is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_event)  # GPU-side, no host wait
+        for device, event in self._device_events.items():
+            assert self._ops is not None
+            self._ops.fence(device, event)  # device-side, no host wait
         self._host_done.wait()
 
     def wait(self) -> None:
-        """Block until the snapshot's bytes are in their buffers (for the persist phase)."""
+        """Block until the snapshot's bytes are in host buffers (for the persist phase)."""
         self._host_done.wait()
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
+        for event in self._device_events.values():
+            assert self._ops is not None
+            self._ops.synchronize(event)
         if self.error is not None:
             raise self.error
+        with self._to_host_lock:  # once, however many persists read this snapshot
+            to_host, self._to_host = self._to_host, None
+            if to_host is not None:
+                to_host()
 
 
 class HostCopier:
@@ -51,7 +77,7 @@ class HostCopier:
         self._thread = threading.Thread(target=self._run, name="rcf-snapshot", daemon=True)
         self._thread.start()
 
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], handle: CopyHandle) -> None:
+    def submit(self, pairs: CopyPairs, handle: CopyHandle) -> None:
         self._jobs.put((pairs, handle))
 
     def _run(self) -> None:
@@ -86,119 +112,137 @@ class Snapshot:
 class Snapshotter:
     """Takes snapshots into preallocated buffers, reused from one snapshot to the next.
 
-    ``mode`` "cpu" copies into (pinned, for CUDA sources) host memory; "gpu" into spare
-    memory on the source's device. One snapshot may be in flight: the caller must not
-    take the next before the persist phase of the previous one has finished.
+    ``mode`` "cpu" copies into (pinned, for device sources) host memory; "gpu" into spare
+    memory on the source's device, moved to pinned host buffers by the persist phase. One
+    snapshot may be in flight: the caller must not take the next before the persist phase
+    of the previous one has finished.
     """
 
-    def __init__(self, mode: str = "cpu") -> None:
-        if mode not in ("cpu", "gpu"):
-            raise ValueError(f"mode={mode!r}: expected 'cpu' or 'gpu'")
+    def __init__(self, mode: str = "cpu", *, ops: DeviceOps | None = None) -> None:
+        _check_mode(mode)
         self.mode = mode
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.ops: DeviceOps = ops if ops is not None else CudaOps()
+        self._buffers: dict[KeyPath, torch.Tensor] = {}
+        self._host_buffers: dict[KeyPath, torch.Tensor] = {}
         self._host = HostCopier()
-        self._stream: Any = None
 
     def set_mode(self, mode: str) -> None:
+        _check_mode(mode)
         if mode != self.mode:
             self.mode = mode
             self._buffers.clear()
+            self._host_buffers.clear()
 
-    def take(self, step: int, live: Mapping[str, Any], async_keys: set[str], *, epoch_boundary: bool = False) -> Snapshot:
+    def take(self, step: int, live: Mapping[str, Any], async_keys: set[str], *,
+             epoch_boundary: bool = False) -> Snapshot:
         """Snapshot ``live``: top-level entries in ``async_keys`` copy in the background."""
-        host_pairs: list = []
-        cuda_pairs: list = []
-        state: dict = {}
-        size = [0]
-        for name, value in live.items():
-            asynchronous = name in async_keys
-            state[name] = self._copy_tree(value, name, asynchronous, host_pairs, cuda_pairs, size)
-        handle = CopyHandle()
-        self._launch_cuda(cuda_pairs, handle)
-        if host_pairs:
-            self._host.submit(host_pairs, handle)
+        copier = _SnapshotCopier(self, async_keys)
+        state = walk_state(live, copier)
+        handle = CopyHandle(self.ops)
+        self._launch_device_copies(copier, handle)
+        if copier.host_pairs:
+            self._host.submit(copier.host_pairs, handle)
         else:
             handle._host_done.set()
-        return Snapshot(step=step, state=state, epoch_boundary=epoch_boundary, copies=handle, size_bytes=size[0])
+        return Snapshot(step=step, state=state, epoch_boundary=epoch_boundary, copies=handle, size_bytes=copier.size)
 
-    def _copy_tree(self, value: Any, path: str, asynchronous: bool, host_pairs: list, cuda_pairs: list,
-                   size: list) -> Any:
-        if isinstance(value, torch.Tensor):
-            size[0] += value.numel() * value.element_size()
-            dst = self._buffer(path, value)
-            if not asynchronous:
-                with torch.no_grad():
-                    dst.copy_(value)
-            elif value.is_cuda:
-                cuda_pairs.append((value.detach(), dst))
-            else:
-                host_pairs.append((value.detach(), dst))
-            return dst
-        if isinstance(value, Mapping):
-            copied = {k: self._copy_tree(v, f"{path}/{k}", asynchronous, host_pairs, cuda_pairs, size)
-                      for k, v in value.items()}
-            if hasattr(value, "_metadata"):
-                from collections import OrderedDict
+    def _launch_device_copies(self, copier: _SnapshotCopier, handle: CopyHandle) -> None:
+        devices = list(dict.fromkeys([*copier.device_pairs, *copier.to_host_pairs]))
+        marks = {device: self.ops.mark(device) for device in devices}
+        for device, pairs in copier.device_pairs.items():
+            handle._device_events[device] = self.ops.copy(device, pairs, after=[marks[device]])
+        if copier.to_host_pairs:
+            ready = {device: handle._device_events.get(device, marks[device]) for device in devices}
+            handle._to_host = lambda: self._to_host(copier.to_host_pairs, ready)
 
-                ordered = OrderedDict(copied)
-                ordered._metadata = _plain_copy(value._metadata)  # type: ignore[attr-defined]
-                return ordered
-            return copied
-        if isinstance(value, (list, tuple)):
-            items = [self._copy_tree(v, f"{path}/{i}", asynchronous, host_pairs, cuda_pairs, size)
-                     for i, v in enumerate(value)]
-            return tuple(items) if isinstance(value, tuple) else items
-        return _plain_copy(value)
+    def _to_host(self, pairs_by_device: dict[Any, CopyPairs], ready: dict[Any, Any]) -> None:
+        events = [self.ops.copy(device, pairs, after=[ready[device]]) for device, pairs in pairs_by_device.items()]
+        for event in events:
+            self.ops.synchronize(event)
 
-    def _buffer(self, path: str, src: torch.Tensor) -> torch.Tensor:
-        device = src.device if (self.mode == "gpu" and src.is_cuda) else torch.device("cpu")
+    def buffer(self, path: KeyPath, like: torch.Tensor, device: Any | None) -> torch.Tensor:
+        """The snapshot buffer of ``path``: on ``device``, or on the host (pinned if ``device``)."""
+        where = device if self.mode == "gpu" else None
         buffer = self._buffers.get(path)
-        if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype or buffer.device != device:
-            pin = src.is_cuda and device.type == "cpu"
-            buffer = torch.empty(src.shape, dtype=src.dtype, device=device, pin_memory=pin)
+        if buffer is None or not _fits(buffer, like, where, self.ops):
+            buffer = self.ops.empty_device(like, where) if where is not None else (
+                self.ops.empty_host(like, pinned=device is not None))
             self._buffers[path] = buffer
         return buffer
 
-    def _launch_cuda(self, pairs: list, handle: CopyHandle) -> None:
-        if not pairs:
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        # The side stream starts after the weight update already queued on the main stream.
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream), torch.no_grad():
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        handle._cuda_event = event
+    def host_buffer(self, path: KeyPath, like: torch.Tensor) -> torch.Tensor:
+        """The pinned host buffer a GPU-mode snapshot of ``path`` moves to."""
+        buffer = self._host_buffers.get(path)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self.ops.empty_host(like, pinned=True)
+            self._host_buffers[path] = buffer
+        return buffer
 
     def close(self) -> None:
         self._host.close()
         self._buffers.clear()
+        self._host_buffers.clear()
 
 
-def _plain_copy(value: Any) -> Any:
-    """Copies of the small, non-tensor parts of a state (they may change after return)."""
-    if isinstance(value, Mapping):
-        return {k: _plain_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_copy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain_copy(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if hasattr(value, "copy") and type(value).__module__ == "numpy":
-        return value.copy()
-    return value
+def _check_mode(mode: str) -> None:
+    if mode not in ("cpu", "gpu"):
+        raise ValueError(f"mode={mode!r}: expected 'cpu' or 'gpu'")
+
+
+def _fits(buffer: torch.Tensor, like: torch.Tensor, where: Any | None, ops: DeviceOps) -> bool:
+    return buffer.shape == like.shape and buffer.dtype == like.dtype and ops.device_of(buffer) == where
+
+
+class _SnapshotCopier(StateVisitor[Any]):
+    """Builds the snapshot's tree of buffers and collects the copies to run."""
+
+    def __init__(self, owner: Snapshotter, async_keys: set[str]) -> None:
+        self.owner = owner
+        self.async_keys = async_keys
+        self.host_pairs: CopyPairs = []
+        self.device_pairs: dict[Any, CopyPairs] = {}
+        self.to_host_pairs: dict[Any, CopyPairs] = {}
+        self.size = 0
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(path, value)
+        return value.copy() if isinstance(value, np.ndarray) else value
+
+    def _tensor(self, path: KeyPath, src: torch.Tensor) -> torch.Tensor:
+        self.size += src.numel() * src.element_size()
+        owner = self.owner
+        device = owner.ops.device_of(src)
+        on_device = device is not None and owner.mode == "gpu"
+        dst = owner.buffer(path, src, device)
+        if not path or path[0] not in self.async_keys:
+            with torch.no_grad():
+                dst.copy_(src)  # on the current stream, ahead of anything queued later
+        elif device is not None:
+            self.device_pairs.setdefault(device, []).append((src, dst))
+        else:
+            self.host_pairs.append((src, dst))
+        if not on_device:
+            return dst
+        host = owner.host_buffer(path, src)
+        self.to_host_pairs.setdefault(device, []).append((dst, host))
+        return host
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
+        return value
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]], metadata: Any) -> Any:
+        if not isinstance(value, OrderedDict):
+            return dict(items)
+        ordered: OrderedDict = OrderedDict(items)
+        if metadata is not None:
+            ordered._metadata = metadata  # type: ignore[attr-defined]
+        return ordered
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
+        return tuple(items) if isinstance(value, tuple) else items
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in a nested state, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_in(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_in(v)]
-    return []
+    return [leaf for _, _, leaf in leaves_of(value) if isinstance(leaf, torch.Tensor)]
