@@ -86,12 +86,170 @@ static inline uint32_t unpack4x2(uint32_t packed) { /* 2-bit fields -> one per b
            | ((packed & 0xC0u) << 18);
 }
 
+
+/* SSE2 versions of the chunk loops (SSE2 is part of every x86-64 CPU): 16 elements at a
+ * time, computed byte-plane by byte-plane. Each returns how many leading elements it did
+ * (a multiple of 16); the scalar loops below do the rest and define the same result. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define B8(v) _mm_set1_epi8((char)(v))
+static inline __m128i srl8(__m128i x, int n) { return _mm_and_si128(_mm_srli_epi16(x, n), B8(0xFF >> n)); }
+static inline __m128i sll8(__m128i x, int n) { return _mm_and_si128(_mm_slli_epi16(x, n), B8((0xFF << n) & 0xFF)); }
+
+static inline __m128i expand2(const uint8_t *src) { /* 4 bytes of 2-bit fields -> 16 */
+    uint32_t v;
+    memcpy(&v, src, 4);
+    __m128i x = _mm_cvtsi32_si128((int)v);
+    x = _mm_unpacklo_epi8(x, x);
+    x = _mm_unpacklo_epi16(x, x);
+    const __m128i lo = _mm_set1_epi32(0x40100401), hi = _mm_set1_epi32((int)0x80200802u);
+    __m128i b0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(x, lo), lo), B8(1));
+    __m128i b1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(x, hi), hi), B8(2));
+    return _mm_or_si128(b0, b1);
+}
+
+static inline void pack2(__m128i x, uint8_t *dst) { /* 16 bytes <= 3 -> 4 bytes */
+    __m128i z = _mm_or_si128(x, _mm_srli_epi32(x, 6));
+    z = _mm_and_si128(_mm_or_si128(z, _mm_srli_epi32(z, 12)), _mm_set1_epi32(0xFF));
+    z = _mm_packus_epi16(_mm_packs_epi32(z, z), z);
+    uint32_t v = (uint32_t)_mm_cvtsi128_si32(z);
+    memcpy(dst, &v, 4);
+}
+
+static inline __m128i expand_nibbles(const uint8_t *src) { /* 8 bytes -> 16 nibbles */
+    __m128i n = _mm_loadl_epi64((const __m128i *)src);
+    return _mm_unpacklo_epi8(_mm_and_si128(n, B8(15)), srl8(n, 4));
+}
+
+static inline void pack_nibbles(__m128i r, uint8_t *dst) { /* 16 bytes <= 15 -> 8 bytes */
+    __m128i x = _mm_or_si128(r, _mm_srli_epi16(r, 4));
+    x = _mm_and_si128(x, _mm_set1_epi16(0xFF));
+    _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(x, x));
+}
+
+/* The fields of 16 elements from their exponent byte parts: `hi` holds s e7..e1, `lo`
+ * e0 and the 7 bits below it. */
+#define E8_FIELDS(hi, lo, OFF)                                                           \
+    __m128i e = _mm_sub_epi8(_mm_or_si128(sll8(hi, 1), srl8(lo, 7)), OFF);               \
+    __m128i tt = _mm_or_si128(sll8(_mm_and_si128(e, B8(63)), 2),                         \
+                              _mm_and_si128(srl8(lo, 5), B8(3)));
+
+static Py_ssize_t e8_split32_simd(const uint32_t *w, Py_ssize_t count, uint32_t off,
+                                  uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
+                                  uint8_t *nib, uint8_t *p) {
+    const __m128i OFF = B8(off), FF = _mm_set1_epi32(0xFF);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        __m128i v[4], b[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm_loadu_si128((const __m128i *)(w + i + 4 * j));
+        for (int s = 0; s < 4; s++) {
+            __m128i q[4];
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm_and_si128(_mm_srli_epi32(v[j], 8 * s), FF);
+            b[s] = _mm_packus_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3]));
+        }
+        E8_FIELDS(b[3], b[2], OFF)
+        __m128i r = _mm_or_si128(sll8(_mm_and_si128(b[0], B8(31)), 1), srl8(b[3], 7));
+        _mm_storeu_si128((__m128i *)(t + i), tt);
+        _mm_storeu_si128((__m128i *)(m1 + i),
+                         _mm_or_si128(sll8(_mm_and_si128(b[2], B8(31)), 3), srl8(b[1], 5)));
+        _mm_storeu_si128((__m128i *)(m2 + i),
+                         _mm_or_si128(sll8(_mm_and_si128(b[1], B8(31)), 3), srl8(b[0], 5)));
+        pack2(srl8(e, 6), k + i / 4);
+        pack2(srl8(r, 4), p + i / 4);
+        pack_nibbles(_mm_and_si128(r, B8(15)), nib + i / 2);
+    }
+    return i;
+}
+
+static Py_ssize_t e8_split16_simd(const uint16_t *w, Py_ssize_t count, uint32_t off,
+                                  uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
+                                  uint8_t *nib, uint8_t *p) {
+    (void)m1;
+    (void)m2;
+    const __m128i OFF = B8(off), FF = _mm_set1_epi16(0xFF);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        __m128i v0 = _mm_loadu_si128((const __m128i *)(w + i));
+        __m128i v1 = _mm_loadu_si128((const __m128i *)(w + i + 8));
+        __m128i lo = _mm_packus_epi16(_mm_and_si128(v0, FF), _mm_and_si128(v1, FF));
+        __m128i hi = _mm_packus_epi16(_mm_srli_epi16(v0, 8), _mm_srli_epi16(v1, 8));
+        E8_FIELDS(hi, lo, OFF)
+        __m128i r = _mm_or_si128(sll8(_mm_and_si128(lo, B8(31)), 1), srl8(hi, 7));
+        _mm_storeu_si128((__m128i *)(t + i), tt);
+        pack2(srl8(e, 6), k + i / 4);
+        pack2(srl8(r, 4), p + i / 4);
+        pack_nibbles(_mm_and_si128(r, B8(15)), nib + i / 2);
+    }
+    return i;
+}
+
+/* The exponent byte parts of 16 elements: `hi` = s e7..e1, `lo` = e0 m_top m_top-1 and
+ * the 5 bits of r above its sign. */
+#define E8_UNFIELDS(OFF)                                                                 \
+    __m128i tt = _mm_loadu_si128((const __m128i *)(t + i));                              \
+    __m128i r = _mm_or_si128(expand_nibbles(nib + i / 2), sll8(expand2(p + i / 4), 4));  \
+    __m128i e = _mm_add_epi8(_mm_or_si128(sll8(expand2(k + i / 4), 6), srl8(tt, 2)), OFF); \
+    __m128i hi = _mm_or_si128(sll8(_mm_and_si128(r, B8(1)), 7), srl8(e, 1));             \
+    __m128i lo = _mm_or_si128(sll8(_mm_and_si128(e, B8(1)), 7),                          \
+                              sll8(_mm_and_si128(tt, B8(3)), 5));
+
+static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
+                                  const uint8_t *t, const uint8_t *k, const uint8_t *m1,
+                                  const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
+    const __m128i OFF = B8(off);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        E8_UNFIELDS(OFF)
+        __m128i a = _mm_loadu_si128((const __m128i *)(m1 + i));
+        __m128i c = _mm_loadu_si128((const __m128i *)(m2 + i));
+        __m128i b0 = _mm_or_si128(sll8(_mm_and_si128(c, B8(7)), 5), srl8(r, 1));
+        __m128i b1 = _mm_or_si128(sll8(_mm_and_si128(a, B8(7)), 5), srl8(c, 3));
+        __m128i b2 = _mm_or_si128(lo, srl8(a, 3));
+        __m128i l01 = _mm_unpacklo_epi8(b0, b1), h01 = _mm_unpackhi_epi8(b0, b1);
+        __m128i l23 = _mm_unpacklo_epi8(b2, hi), h23 = _mm_unpackhi_epi8(b2, hi);
+        _mm_storeu_si128((__m128i *)(w + i), _mm_unpacklo_epi16(l01, l23));
+        _mm_storeu_si128((__m128i *)(w + i + 4), _mm_unpackhi_epi16(l01, l23));
+        _mm_storeu_si128((__m128i *)(w + i + 8), _mm_unpacklo_epi16(h01, h23));
+        _mm_storeu_si128((__m128i *)(w + i + 12), _mm_unpackhi_epi16(h01, h23));
+    }
+    return i;
+}
+
+static Py_ssize_t e8_merge16_simd(uint16_t *w, Py_ssize_t count, uint32_t off,
+                                  const uint8_t *t, const uint8_t *k, const uint8_t *m1,
+                                  const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
+    (void)m1;
+    (void)m2;
+    const __m128i OFF = B8(off);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        E8_UNFIELDS(OFF)
+        __m128i b0 = _mm_or_si128(lo, srl8(r, 1));
+        _mm_storeu_si128((__m128i *)(w + i), _mm_unpacklo_epi8(b0, hi));
+        _mm_storeu_si128((__m128i *)(w + i + 8), _mm_unpackhi_epi8(b0, hi));
+    }
+    return i;
+}
+#else
+#define e8_split32_simd(...) ((Py_ssize_t)0)
+#define e8_split16_simd(...) ((Py_ssize_t)0)
+#define e8_merge32_simd(...) ((Py_ssize_t)0)
+#define e8_merge16_simd(...) ((Py_ssize_t)0)
+#endif
+
 #define E8_SPLIT(NAME, OFFSET, WORD, BITS, MB)                                           \
     static void NAME##_chunk(const WORD *restrict w, Py_ssize_t count, uint32_t off,     \
                              uint8_t *restrict t, uint8_t *restrict k,                   \
                              uint8_t *restrict m1, uint8_t *restrict m2,                 \
                              uint8_t *restrict nib, uint8_t *restrict p) {               \
         uint8_t kf[CHUNK], rf[CHUNK], rhi[CHUNK];                                        \
+        Py_ssize_t done = NAME##_simd(w, count, off, t, k, m1, m2, nib, p);              \
+        w += done, t += done, k += done / 4, nib += done / 2, p += done / 4;             \
+        if (BITS == 32)                                                                  \
+            m1 += done, m2 += done;                                                      \
+        count -= done;                                                                   \
         for (Py_ssize_t i = 0; i < count; i++) {                                         \
             uint32_t x = w[i];                                                           \
             uint32_t e = ((x >> MB) - off) & 0xFFu;                                      \
@@ -140,6 +298,11 @@ static inline uint32_t unpack4x2(uint32_t packed) { /* 2-bit fields -> one per b
                              const uint8_t *restrict m1, const uint8_t *restrict m2,     \
                              const uint8_t *restrict nib, const uint8_t *restrict p) {   \
         uint8_t kf[CHUNK], rf[CHUNK];                                                    \
+        Py_ssize_t done = NAME##_simd(w, count, off, t, k, m1, m2, nib, p);              \
+        w += done, t += done, k += done / 4, nib += done / 2, p += done / 4;             \
+        if (BITS == 32)                                                                  \
+            m1 += done, m2 += done;                                                      \
+        count -= done;                                                                   \
         for (Py_ssize_t g = 0; g < count / 4; g++) {                                     \
             uint32_t kw = unpack4x2(k[g]);                                               \
             uint32_t lo = (uint32_t)nib[2 * g] | ((uint32_t)nib[2 * g + 1] << 16);       \
