@@ -16,6 +16,7 @@ import math
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,14 @@ import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
 from ray_checkfreq.engine.persist import PersistResult, PersistWorker
-from ray_checkfreq.engine.policy import Decision, Profile, choose_interval
+from ray_checkfreq.engine.policy import Decision, Profile, choose_codec, choose_interval, compression_could_pay
+from ray_checkfreq.engine.profiling import (
+    WARMUP_ITERS,
+    CodecTrial,
+    ProfilingWindow,
+    fingerprint,
+    fingerprint_changes,
+)
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
 from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter, tensors_in
 from ray_checkfreq.storage import CheckpointStore
@@ -38,7 +46,11 @@ _ASYNC_PARTS = {"model_params", "optimizer"}
 
 @dataclass(frozen=True, kw_only=True)
 class CheckFreqConfig:
-    """How often to checkpoint. ``every`` fixes k; otherwise the policy picks it from p."""
+    """How often to checkpoint. ``every`` fixes k; otherwise the policy picks it from p.
+
+    ``compress``: None measures whether the codec pays (with ``every`` too); True or
+    False forces it.
+    """
 
     overhead: float = 0.035
     every: int | None = None
@@ -49,6 +61,7 @@ class CheckFreqConfig:
     adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     checkpoint_epoch_end: bool = True
     reuse_profile: bool = True
+    compress: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:
@@ -61,6 +74,8 @@ class CheckFreqConfig:
             raise ValueError(f"profile_iters={self.profile_iters}: need at least 2 iterations to time one")
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: must be > 0 seconds")
+        if self.compress not in (None, True, False):
+            raise ValueError(f"compress={self.compress!r}: must be None (measure), True or False")
 
     def profiling_window(self) -> int:
         """min(1 % of an epoch, 50) iterations (at least 2, to time one iteration)."""
@@ -82,18 +97,17 @@ class CheckFreq:
         storage: str | CheckpointStore,
         data: Any = None,
         extra_state: Mapping[str, Any] | None = None,
-        overhead: float = 0.035,
+        overhead: float | None = None,
         every: int | None = None,
         epoch_len: int | None = None,
         mtbf_s: float | None = None,
-        adaptive: bool = True,
+        adaptive: bool | None = None,
         profile_iters: int | None = None,
+        compress: bool | None = None,
         config: CheckFreqConfig | None = None,
     ) -> None:
-        self.config = config or CheckFreqConfig(
-            overhead=overhead, every=every, epoch_len=epoch_len, mtbf_s=mtbf_s,
-            adaptive=adaptive, profile_iters=profile_iters,
-        )
+        self.config = _config_from(config, overhead=overhead, every=every, epoch_len=epoch_len, mtbf_s=mtbf_s,
+                                   adaptive=adaptive, profile_iters=profile_iters, compress=compress)
         _check_stateful("data", data)
         for name, obj in (extra_state or {}).items():
             _check_stateful(f"extra_state[{name!r}]", obj)
@@ -111,14 +125,18 @@ class CheckFreq:
         self._adaptive: AdaptiveRate | None = None
         self._k: int | None = self.config.every
         self._next_checkpoint: int | None = None
-        self._profile_until: int | None = None
-        self._compress = True
+        self._profiling: ProfilingWindow | None = None
+        self._cached: dict | None = None
+        self._codec_trial = CodecTrial(decided=_forced_codec(self.config.compress, self.store))
+        self._last_result: PersistResult | None = None
+        self._quiet_done = False  # set by _observe, acted on in step()
+        self._measure_done = False
+        self._last_checkpoint_iteration = -1
+        self._measured_result: PersistResult | None = None
+        self._started = False
         self._last_step_t: float | None = None
-        self._busy_since_last_step = False
         self._update_started = 0.0
         self._pending_stall = 0.0
-        self._iter_samples: list[float] = []
-        self._update_samples: list[float] = []
         self._stats = _Stats()
         self._hooks = [
             optimizer.register_step_pre_hook(self._before_update),
@@ -152,12 +170,15 @@ class CheckFreq:
 
     def _begin(self, iteration: int) -> None:
         self.iteration = iteration
+        self._stats.first_iteration = iteration
         if self._k is not None:
             self._next_checkpoint = iteration + self._k
         else:
-            self._profile_until = iteration + self.config.profiling_window()
+            self._profiling = ProfilingWindow(quiet_iters=self.config.profiling_window())
 
     def _load_cached_profile(self) -> None:
+        """Read the cached profile; it is applied at the first step, once the optimizer
+        state exists and its fingerprint can be compared."""
         if self.config.every is not None or not self.config.reuse_profile:
             return
         cached = self.store.read_metadata(PROFILE_NAME)
@@ -168,37 +189,57 @@ class CheckFreq:
         except (KeyError, TypeError, ValueError) as err:
             logger.warning("ignoring cached profile in %s: %s", self.store.uri, err)
             return
-        self._apply_profile(profile)
+        self._cached = {"profile": profile, "fingerprint": cached.get("fingerprint")}
+
+    def _use_cached_profile(self) -> None:
+        cached, self._cached = self._cached, None
+        if cached is None or self._profiling is None:
+            return
+        changed = fingerprint_changes(cached["fingerprint"], self._fingerprint())
+        if changed:
+            logger.info("re-profiling: %s changed since the cached profile", ", ".join(changed))
+            return
+        self._profiling = None
+        self._apply_profile(cached["profile"], first_checkpoint=self.iteration)
+
+    def _fingerprint(self) -> dict:
+        config = self.store.config
+        codec = {"codec": config.codec, "level": config.codec_level, "threads": config.codec_threads,
+                 "compress": self.config.compress}
+        return fingerprint(self.model, self.optimizer, codec)
 
     # -------------------------------------------------------------- each step
     def step(self) -> None:
         """Call once at the end of every iteration, after ``optimizer.step()``."""
         if self._closed:
             raise RuntimeError("CheckFreq is closed")
-        if self._next_checkpoint is None and self._profile_until is None:
-            self._begin(self.iteration)  # restore() was not called: start from 0
+        if not self._started:
+            self._started = True
+            if self._next_checkpoint is None and self._profiling is None:
+                self._begin(self.iteration)  # restore() was not called: start from 0
+            self._use_cached_profile()
         now = time.perf_counter()
-        self._persist.raise_if_failed()
+        # Counted before anything can raise: the optimizer has stepped, so has the iteration.
         self.iteration += 1
-        busy = self._busy_since_last_step or self._persist.busy
+        busy = self._persist.busy
         if self._last_step_t is not None:
             self._observe(now - self._last_step_t, self._pending_stall, busy)
+        self._last_step_t = now  # an iteration runs from step() to step(): this step's own work counts
         self._pending_stall = 0.0
-        if self._profile_until is not None and self.iteration >= self._profile_until:
-            self._finish_profiling()  # a one-off cost, reported as profiling_s
+        self._persist.raise_if_failed()
+        if self._profiling is not None:
+            self._advance_profiling()
         elif self._checkpoint_due():
-            started = time.perf_counter()
             self._checkpoint(self._is_epoch_end())
-            spent = time.perf_counter() - started
-            self._pending_stall += spent
-            self._stats.step_overhead_s += spent
-        self._busy_since_last_step = self._persist.busy
-        self._last_step_t = time.perf_counter()
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
-        self._stats.iter_time_total_s += iter_s
-        if self._profile_until is not None:
-            self._iter_samples.append(iter_s)
+        self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
+        profiling = self._profiling
+        if profiling is not None:
+            if profiling.measuring:
+                self._measure_done = profiling.record_busy(iter_s, busy)
+            elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
+                self._quiet_done = profiling.record_quiet(iter_s)
         elif self._adaptive is not None:
             new_k = self._adaptive.record(iter_s, stall_s, busy)
             if new_k is not None:
@@ -206,6 +247,9 @@ class CheckFreq:
                             100 * (self._adaptive.last_overhead or 0))
                 self._k = new_k
                 self._stats.k_changes.append((self.iteration, new_k))
+
+    def _since_start(self) -> int:
+        return self.iteration - self._stats.first_iteration if self._stats.first_iteration is not None else 0
 
     def _checkpoint_due(self) -> bool:
         if self._next_checkpoint is None:
@@ -218,16 +262,31 @@ class CheckFreq:
         epoch_len = self.config.epoch_len
         return epoch_len is not None and self.iteration % epoch_len == 0
 
-    def _checkpoint(self, epoch_boundary: bool) -> None:
+    def _checkpoint(self, epoch_boundary: bool, codec: str | None = None) -> None:
+        started = time.perf_counter()
         waited = self._persist.wait_idle()  # one in flight: this wait is stall
         self._persist.raise_if_failed()
+        if codec is None:
+            codec = self._fixed_interval_codec()
         snapshot = self._take_snapshot(epoch_boundary)
         self._fence_handle = snapshot.copies
-        self._persist.submit(snapshot, codec="rcfz" if self._compress else "raw")
+        self._persist.submit(snapshot, codec=codec)
         self._stats.checkpoints_started += 1
         self._stats.persist_wait_s += waited
-        assert self._k is not None
-        self._next_checkpoint = self.iteration + self._k
+        if self._k is not None:
+            self._next_checkpoint = self.iteration + self._k
+        spent = time.perf_counter() - started
+        self._pending_stall += spent
+        self._stats.add_checkpoint_stall(spent)
+
+    def _fixed_interval_codec(self) -> str:
+        """The policy's codec, or with ``every``: raw until measurement says otherwise."""
+        if self.profile is not None:
+            return "rcfz" if self.profile.compress else "raw"
+        result = self._last_result
+        if result is not None and self._k is not None:
+            self._codec_trial.record(result.codec, result.seconds, self._k * self._stats.iteration_s())
+        return self._codec_trial.next_codec()
 
     def _take_snapshot(self, epoch_boundary: bool) -> Snapshot:
         param_ptrs = {p.data_ptr() for p in self.model.parameters()}
@@ -259,62 +318,79 @@ class CheckFreq:
             waited = time.perf_counter() - start
             self._pending_stall += waited
             self._stats.fence_wait_s += waited
+            self._stats.add_checkpoint_stall(waited, same_checkpoint=True)
             self._fence_handle = None
         self._update_started = time.perf_counter()
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._profile_until is not None:
-            self._update_samples.append(time.perf_counter() - self._update_started)
+        if self._profiling is not None and not self._profiling.measuring:
+            self._profiling.updates.append(time.perf_counter() - self._update_started)
 
     # -------------------------------------------------------------- profiling
-    def _finish_profiling(self) -> None:
-        """Measure a snapshot copy and a persist (with and without compression), then choose k."""
-        start = time.perf_counter()
-        self._persist.wait_idle()
-        copy_start = time.perf_counter()
-        snapshot = self._take_snapshot(self._is_epoch_end())
-        snapshot.copies.wait()
-        cpu_copy_s = time.perf_counter() - copy_start
-        persist = {}
-        for codec in ("raw", "rcfz"):
-            self._persist.submit(snapshot, codec=codec)
-            self._persist.wait_idle()
-            self._persist.raise_if_failed()
-            persist[codec] = self._stats.last_persist_s
-        self._compress = persist["rcfz"] <= persist["raw"]
-        iter_samples = self._iter_samples[1:] or self._iter_samples  # the first includes warm-up
-        profile = Profile(
-            iter_s=statistics.median(iter_samples) if iter_samples else 1e-3,
-            update_s=statistics.median(self._update_samples) if self._update_samples else 0.0,
-            cpu_copy_s=cpu_copy_s,
-            persist_s=min(persist.values()),
-            size_bytes=snapshot.size_bytes,
-            compress=self._compress,
-            **_gpu_measurements(self._live_tensors(), snapshot.size_bytes),
-        )
-        self._stats.profiling_s = time.perf_counter() - start
-        self._stats.checkpoints_started += 2
-        self._apply_profile(profile)
-        self.store.write_metadata(PROFILE_NAME, {"profile": profile.to_json(), "decision": vars(self.decision)})
+    def _advance_profiling(self) -> None:
+        """Quiet iterations, then one measured checkpoint per codec worth trying, then k."""
+        profiling = self._profiling
+        assert profiling is not None
+        if not profiling.measuring:
+            if self._quiet_done:
+                self._start_measuring(self._codec_trial.decided or "raw")
+            elif self.config.checkpoint_epoch_end and self._is_epoch_end():
+                self._checkpoint(True, codec="raw")
+            return
+        if not self._measure_done:
+            if self.config.checkpoint_epoch_end and self._is_epoch_end():
+                self._checkpoint(True, codec=profiling.codec)
+            return
+        self._measure_done = False
+        result = self._measured_result
+        if result is None:  # that persist failed (raised at a step): measure another
+            codec = profiling.codec
+            assert codec is not None
+            self._start_measuring(codec)
+            return
+        measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
+        self._stats.profiling_s += measured.interference_s
+        gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
+        decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s)
+                     for codec, m in profiling.measured.items()}
+        if (measured.codec == "raw" and self._codec_trial.decided is None
+                and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
+            self._start_measuring("rcfz")
+            return
+        codec = choose_codec({c: d for c, (_, d) in decisions.items()})
+        self._profiling = None
+        self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
+        self.store.write_metadata(PROFILE_NAME, {"profile": self.profile.to_json() if self.profile else None,
+                                                 "decision": vars(self.decision), "fingerprint": self._fingerprint()})
+
+    def _start_measuring(self, codec: str) -> None:
+        assert self._profiling is not None
+        self._profiling.start_measuring(codec)
+        self._measured_result = None
+        self._last_checkpoint_iteration = self.iteration  # before the persist can report
+        self._checkpoint(self._is_epoch_end(), codec=codec)
 
     def _live_tensors(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + tensors_in(self.optimizer.state_dict()["state"])
 
-    def _apply_profile(self, profile: Profile) -> None:
+    def _apply_profile(self, profile: Profile, *, first_checkpoint: int) -> None:
         self.profile = profile
         self.decision = choose_interval(profile, overhead=self.config.overhead, mtbf_s=self.config.mtbf_s)
-        self._compress = profile.compress
         self._snapshotter.set_mode(self.decision.mode)
         self._k = self.decision.k
-        self._profile_until = None
-        self._next_checkpoint = self.iteration + self._k
+        self._next_checkpoint = first_checkpoint + self._k
         if self.config.adaptive:
-            self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k, overhead=self.config.overhead,
+            self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k_floor, overhead=self.config.overhead,
                                           config=self.config.adaptive_config, reference_iter_s=profile.iter_s)
-        logger.info("policy: mode=%s k=%d (kmin=%d, persist needs %d)", self.decision.mode, self._k,
-                    self.decision.k_min, self.decision.k_persist)
+        logger.info("policy: mode=%s k=%d (kmin=%d, persist needs %d, measured cost %.0f ms needs %d), %s",
+                    self.decision.mode, self._k, self.decision.k_min, self.decision.k_persist,
+                    1e3 * self.decision.cost_s, self.decision.k_cost,
+                    "compressed" if profile.compress else "raw")
 
     def _persist_done(self, result: PersistResult) -> None:
+        self._last_result = result
+        if result.step == self._last_checkpoint_iteration:
+            self._measured_result = result
         self._stats.record_persist(result)
 
     # ----------------------------------------------------------------- ending
@@ -349,29 +425,33 @@ class CheckFreq:
     def stats(self) -> dict:
         """Mode, k, checkpoints, stall, overhead estimate, bytes written, compression, persist time."""
         s = self._stats
-        committed = s.checkpoints_committed
-        stall = s.fence_wait_s + s.step_overhead_s
-        useful = max(s.iter_time_total_s - stall, 1e-12)
         return {
             "mode": self.decision.mode if self.decision else self._snapshotter.mode,
             "k": self._k,
             "iteration": self.iteration,
-            "checkpoints_committed": committed,
-            "stall_s_total": stall,
-            "stall_s_per_checkpoint": stall / max(s.checkpoints_started, 1),
+            "checkpoints_committed": s.checkpoints_committed,
+            "stall_s_total": s.stall_s,
+            "stall_s_per_checkpoint": s.stall_s / max(s.checkpoints_started, 1),
+            "stall_s_median": statistics.median(s.checkpoint_stalls) if s.checkpoint_stalls else 0.0,
             "fence_wait_s": s.fence_wait_s,
             "persist_wait_s": s.persist_wait_s,
             "profiling_s": s.profiling_s,
-            "overhead_estimate": (self._adaptive.last_overhead if self._adaptive and self._adaptive.last_overhead
-                                  is not None else stall / useful),
+            "overhead_estimate": s.overhead_estimate(),
             "bytes_written": s.stored_bytes,
             "compression_ratio": (s.stored_bytes / s.raw_bytes) if s.raw_bytes else None,
-            "compress": self._compress,
+            "compress": self._compress_now(),
             "last_persist_s": s.last_persist_s,
             "k_changes": list(s.k_changes),
             "expected_lost_s": self.decision.expected_lost_s if self.decision else None,
             "young_daly_k": self.decision.young_daly_k if self.decision else None,
         }
+
+    def _compress_now(self) -> bool | None:
+        """Whether checkpoints are compressed; None while that is still being measured."""
+        if self.profile is not None:
+            return self.profile.compress
+        decided = self._codec_trial.decided
+        return None if decided is None else decided == "rcfz"
 
 
 @dataclass
@@ -380,13 +460,58 @@ class _Stats:
     checkpoints_committed: int = 0
     fence_wait_s: float = 0.0
     persist_wait_s: float = 0.0
-    profiling_s: float = 0.0
-    step_overhead_s: float = 0.0  # time inside step() spent checkpointing, persist waits included
-    iter_time_total_s: float = 0.0
+    profiling_s: float = 0.0  # training time the profiling checkpoints cost (measured)
+    stall_s: float = 0.0  # checkpoint work on the critical path: in step() and at the fence
+    first_iteration: int | None = None
+    iterations: int = 0  # after warm-up
+    iter_time_s: float = 0.0
+    iter_stall_s: float = 0.0
+    quiet_iterations: int = 0
+    quiet_time_s: float = 0.0
     raw_bytes: int = 0
     stored_bytes: int = 0
     last_persist_s: float | None = None
     k_changes: list = field(default_factory=list)
+    checkpoint_stalls: deque = field(default_factory=lambda: deque(maxlen=1024))
+
+    def record_iteration(self, iter_s: float, stall_s: float, busy: bool, *, warm: bool) -> None:
+        if not warm:
+            return
+        self.iterations += 1
+        self.iter_time_s += iter_s
+        self.iter_stall_s += stall_s
+        if not busy and stall_s == 0:
+            self.quiet_iterations += 1
+            self.quiet_time_s += iter_s
+
+    def add_checkpoint_stall(self, seconds: float, same_checkpoint: bool = False) -> None:
+        self.stall_s += seconds
+        if same_checkpoint and self.checkpoint_stalls:
+            self.checkpoint_stalls[-1] += seconds
+        else:
+            self.checkpoint_stalls.append(seconds)
+
+    def iteration_s(self) -> float:
+        """The mean quiet iteration (all iterations while fewer than 5 were quiet)."""
+        if self.quiet_iterations >= 5:
+            return self.quiet_time_s / self.quiet_iterations
+        return self.iter_time_s / self.iterations if self.iterations else 0.0
+
+    def overhead_estimate(self) -> float:
+        """Time lost to checkpoints over the time without them, since warm-up.
+
+        The stall (waits in step() and at the fence) over the rest; where quiet iterations
+        give a reference, also the inflation of all iterations against it (the cores and
+        memory bandwidth persist took from training); the larger counts.
+        """
+        useful = self.iter_time_s - self.iter_stall_s
+        if useful <= 0:
+            return 0.0
+        estimate = self.iter_stall_s / useful
+        if self.quiet_iterations >= 5 and self.quiet_iterations < self.iterations:
+            expected = self.iterations * self.quiet_time_s / self.quiet_iterations
+            estimate = max(estimate, self.iter_time_s / expected - 1)
+        return estimate
 
     def record_persist(self, result: PersistResult) -> None:
         self.checkpoints_committed += 1
@@ -455,3 +580,22 @@ def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:
     gpu_copy_s = time.perf_counter() - start
     del copies
     return {"gpu_copy_s": gpu_copy_s, "peak_memory_bytes": peak, "total_memory_bytes": total}
+
+
+def _config_from(config: CheckFreqConfig | None, **args: Any) -> CheckFreqConfig:
+    """The config, from ``config=`` or from the keyword arguments, never both."""
+    given = {name: value for name, value in args.items() if value is not None}
+    if config is not None:
+        if given:
+            names = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"CheckFreq(config=..., {names}): set these in the CheckFreqConfig instead, "
+                             "not beside it")
+        return config
+    return CheckFreqConfig(**given)
+
+
+def _forced_codec(compress: bool | None, store: CheckpointStore) -> str | None:
+    """The codec fixed by configuration, or None to measure: a store set to raw stays raw."""
+    if compress is None:
+        return "raw" if store.config.codec == "raw" else None
+    return "rcfz" if compress else "raw"

@@ -3,10 +3,16 @@
 At most one checkpoint is in flight and none is abandoned: ``submit`` refuses a second
 one, ``wait_idle`` blocks until the current one is committed (or failed), and a failure
 is kept and raised by the next ``raise_if_failed`` instead of vanishing in the thread.
+
+The persist thread runs at a lower CPU priority (``nice``) than training: where the two
+share cores, its encode, checksum and write work fills the gaps training leaves instead
+of taking cores from it. Threads it starts (the store's writers) inherit the priority.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +22,10 @@ from typing import Any
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.engine")
+
+PERSIST_NICE = 10
 
 
 class PersistError(CheckFreqError):
@@ -33,15 +43,19 @@ class PersistError(CheckFreqError):
 @dataclass(frozen=True)
 class PersistResult:
     step: int
-    seconds: float
+    seconds: float  # the whole persist, copy_s included
+    copy_s: float  # waiting for the snapshot's copies to land
+    codec: str
     raw_bytes: int
     stored_bytes: int
     uri: str
 
 
 class PersistWorker:
-    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None = None) -> None:
+    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None = None,
+                 nice: int = PERSIST_NICE) -> None:
         self.store = store
+        self._nice = nice
         self._on_done = on_done
         self._cond = threading.Condition()
         self._job: tuple[Snapshot, dict] | None = None
@@ -88,6 +102,7 @@ class PersistWorker:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        _lower_priority(self._nice)
         while True:
             with self._cond:
                 while self._job is None and not self._closed:
@@ -110,6 +125,7 @@ class PersistWorker:
         start = time.perf_counter()
         try:
             snapshot.copies.wait()
+            copied = time.perf_counter()
             ref = self.store.save(snapshot.step, snapshot.state, epoch_boundary=snapshot.epoch_boundary, **options)
         except BaseException as err:
             error = PersistError(snapshot.step, f"{type(err).__name__}: {err}")
@@ -118,7 +134,20 @@ class PersistWorker:
         return PersistResult(
             step=snapshot.step,
             seconds=time.perf_counter() - start,
+            copy_s=copied - start,
+            codec=str(options.get("codec", self.store.config.codec)),
             raw_bytes=snapshot.size_bytes,
             stored_bytes=ref.size_bytes,
             uri=ref.uri,
         ), None
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise this thread's nice value by ``nice`` (Linux: per thread); best effort."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as err:
+        logger.debug("persist thread keeps its priority: %s", err)

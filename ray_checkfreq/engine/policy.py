@@ -9,6 +9,12 @@ Mmax total GPU memory, p the allowed overhead fraction.
          = max(0, Tc - (Ti - Tw))  (cpu: only the part the next forward/backward cannot hide)
     k    = ceil((Tc + Ts - To) / Ti), never below kmin = ceil(To / (p * Ti)), never below 1
 
+The paper's To assumes persist runs beside training for free. Where persist shares cores,
+memory bandwidth or the interpreter with training it does not, so the profile also
+carries C, the training time one checkpoint cost as measured (``interference_s``: the
+inflation of the iterations that ran beside a profiling persist, its stalls included),
+and k is never below kcost = ceil(max(To, C) / (p * Ti)).
+
 With a mean time between failures, Young/Daly's interval sqrt(2 * C * MTBF) (C = the
 stall a checkpoint costs) also bounds k from above, unless p forbids it.
 """
@@ -16,6 +22,8 @@ stall a checkpoint costs) also bounds k from above, unless p forbids it.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 MODES = ("gpu", "cpu")
@@ -34,11 +42,12 @@ class Profile:
     peak_memory_bytes: int = 0
     total_memory_bytes: int = 0
     compress: bool = True
+    interference_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.iter_s > 0:
             raise ValueError(f"iter_s={self.iter_s!r}: must be > 0")
-        for name in ("update_s", "cpu_copy_s", "persist_s"):
+        for name in ("update_s", "cpu_copy_s", "persist_s", "interference_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
         if self.gpu_copy_s is not None and self.gpu_copy_s < 0:
@@ -70,6 +79,14 @@ class Decision:
     young_daly_k: int | None
     expected_overhead: float
     expected_lost_s: float
+    cost_s: float = 0.0  # max(To, measured interference): what one checkpoint costs training
+    k_cost: int = 1
+
+    @property
+    def k_floor(self) -> int:
+        """The paper's k (persist done in time, To within p), without measured interference:
+        the adaptive rate may come down to it when the interference goes away."""
+        return max(self.k_persist, self.k_min)
 
 
 def choose_mode(profile: Profile) -> str:
@@ -107,16 +124,24 @@ def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * max(checkpoint_cost_s, 0.0) * mtbf_s)
 
 
+def checkpoint_cost_s(profile: Profile, stall_s: float) -> float:
+    """C = max(To, measured interference): training seconds one checkpoint costs."""
+    return max(stall_s, profile.interference_s)
+
+
 def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float | None = None) -> Decision:
-    """CheckFreq's k, optionally tightened towards Young/Daly's interval."""
+    """CheckFreq's k, never below what the measured cost allows, optionally tightened
+    towards Young/Daly's interval."""
     mode = choose_mode(profile)
     stall = critical_overhead_s(profile, mode)
+    cost = checkpoint_cost_s(profile, stall)
     k_min = min_interval(stall, profile.iter_s, overhead)
+    k_cost = min_interval(cost, profile.iter_s, overhead)
     k_persist = persist_interval(profile, stall)
-    k = max(k_persist, k_min)
+    k = max(k_persist, k_min, k_cost)
     young_daly_k = None
     if mtbf_s is not None:
-        young_daly_k = max(1, math.floor(young_daly_interval_s(stall, mtbf_s) / profile.iter_s))
+        young_daly_k = max(1, math.floor(young_daly_interval_s(cost, mtbf_s) / profile.iter_s))
         allowed = smallest_interval_within(profile, stall, overhead)
         k = max(allowed, min(k, young_daly_k))
     return Decision(
@@ -128,23 +153,83 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
         young_daly_k=young_daly_k,
         expected_overhead=interval_overhead(profile, stall, k),
         expected_lost_s=k * profile.iter_s,
+        cost_s=cost,
+        k_cost=k_cost,
     )
 
 
 def interval_overhead(profile: Profile, stall_s: float, k: int) -> float:
-    """Overhead fraction at interval k: the stall, plus the wait for a persist not yet done."""
+    """Overhead fraction at interval k: the checkpoint's cost, plus the wait for a persist
+    not yet done."""
     wait = max(0.0, profile.cpu_copy_s + profile.persist_s - stall_s - k * profile.iter_s)
-    return (stall_s + wait) / (k * profile.iter_s)
+    return (checkpoint_cost_s(profile, stall_s) + wait) / (k * profile.iter_s)
 
 
 def smallest_interval_within(profile: Profile, stall_s: float, overhead: float) -> int:
     """The smallest k whose overhead, waits included, stays within p."""
     _check_fraction(overhead)
     k = 1
-    upper = max(min_interval(stall_s, profile.iter_s, overhead), persist_interval(profile, stall_s))
+    cost = checkpoint_cost_s(profile, stall_s)
+    upper = max(min_interval(cost, profile.iter_s, overhead), persist_interval(profile, stall_s))
     while k < upper and interval_overhead(profile, stall_s, k) > overhead:
         k += 1
     return k
+
+
+# ------------------------------------------------------------ measurements
+def iteration_time_s(samples: Sequence[float], *, warmup: int) -> float:
+    """Ti: the median of the samples after the first ``warmup`` (allocations, caches)."""
+    kept = list(samples[warmup:])
+    if not kept:
+        raise ValueError(f"no iteration samples after a warm-up of {warmup}")
+    return statistics.median(kept)
+
+
+def quiet_reference_s(quiet: Sequence[float], pause_factor: float = 3.0) -> float:
+    """The mean quiet iteration, leaving out pauses (``pause_factor`` x the median or more).
+
+    The mean, not the median: busy iterations are summed, and a sum of skewed times is
+    compared fairly only with the mean of the same distribution.
+    """
+    if not quiet:
+        raise ValueError("no quiet iterations to compare with")
+    limit = pause_factor * statistics.median(quiet)
+    kept = [t for t in quiet if t < limit]
+    return sum(kept) / len(kept)
+
+
+def interference_s(quiet: Sequence[float], busy: Sequence[float], pause_factor: float = 3.0) -> float:
+    """Training seconds lost to one checkpoint: how much longer the iterations that ran
+    beside it (stalls included) took than as many quiet ones; never below 0."""
+    reference = quiet_reference_s(quiet, pause_factor)
+    return max(0.0, sum(busy) - len(busy) * reference)
+
+
+MIN_COMPRESSIBLE_BYTES = 1 << 20
+
+
+def compression_could_pay(decision: Decision, size_bytes: int) -> bool:
+    """Compression only shortens the persist and costs CPU: it can lower k only where k is
+    held up by the persist's duration rather than by what a checkpoint costs training, and
+    only where bytes, not per-file latency, make that duration (states of a MiB or more)."""
+    return size_bytes >= MIN_COMPRESSIBLE_BYTES and decision.k_persist > max(decision.k_min, decision.k_cost)
+
+
+def choose_codec(decisions: Mapping[str, Decision]) -> str:
+    """The codec whose measured checkpoint allows the smallest k (ties: lower expected
+    overhead, then "raw", which costs no CPU)."""
+    if not decisions:
+        raise ValueError("no measured codec to choose from")
+    return min(decisions, key=lambda c: (decisions[c].k, decisions[c].expected_overhead, c != "raw"))
+
+
+def fixed_interval_codec(persist_s: Mapping[str, float], interval_s: float) -> str:
+    """With k fixed: compress only where the raw persist outlasts the interval (the next
+    checkpoint would wait for it) and the compressed one was measured to be faster."""
+    raw = persist_s["raw"]
+    if raw <= interval_s or "rcfz" not in persist_s:
+        return "raw"
+    return "rcfz" if persist_s["rcfz"] < raw else "raw"
 
 
 def _check_fraction(overhead: float) -> None:
