@@ -67,6 +67,67 @@ def _containers(children: Any) -> Any:
     )
 
 
+# Keys whose "/"-joined names used to collide: "/" inside keys, ints beside strings that
+# read like them ("0", "-1", "True", "None", "1.5"), "%" (the escape character itself).
+tricky_keys = st.one_of(
+    st.sampled_from([0, "0", 1, "1", True, "True", None, "None", 1.5, "1.5", "a", "b", "a/b", "a/0", "0/a"]),
+    st.sampled_from(["/", "", "%", "%30", "%2F", "a%2Fb"]),
+)
+
+
+def _tricky_containers(children: Any) -> Any:
+    return st.one_of(
+        st.dictionaries(tricky_keys, children, max_size=4),
+        st.dictionaries(st.sampled_from(["a", "b", "0", "a/b", "%2F"]), children, max_size=3).map(OrderedDict),
+        st.lists(children, max_size=3),
+    )
+
+
+def _number_leaves(value: Any, counter: list[int]) -> Any:
+    """Every tensor becomes ``full((3,), n)`` with its own n: same shape and dtype, so that a
+    buffer or base shared by two leaves shows as equal values."""
+    if isinstance(value, torch.Tensor):
+        counter[0] += 1
+        return torch.full((3,), float(counter[0]))
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _number_leaves(v, counter)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: _number_leaves(v, counter) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_number_leaves(v, counter) for v in value]
+    return value
+
+
+tricky_values = st.recursive(st.just(torch.zeros(3)) | st.integers(-2, 2), _tricky_containers, max_leaves=12)
+
+
+def _add_twins(value: Any) -> Any:
+    """Beside each key k of a dict, the keys a "/"-joined name would confuse with it:
+    ``str(k)`` for a non-str k, and ``f"{k}/{k2}"`` for each key k2 of a dict under k."""
+    if isinstance(value, list):
+        return [_add_twins(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    twins: dict = {}
+    for key, child in value.items():
+        if not isinstance(key, str):
+            twins[str(key)] = torch.zeros(3)
+        if isinstance(child, dict):
+            twins.update({f"{key}/{inner}": torch.zeros(3) for inner in child})
+    result = {k: _add_twins(v) for k, v in value.items()}
+    result.update({k: v for k, v in twins.items() if k not in result})
+    return OrderedDict(result) if isinstance(value, OrderedDict) else result
+
+
+@st.composite
+def tricky_states(draw: Any) -> dict:
+    """Nested state whose leaves would collide under "/"-joined names, each leaf its own value."""
+    state = draw(st.dictionaries(tricky_keys, tricky_values, min_size=1, max_size=4))
+    if draw(st.booleans()):
+        state = _add_twins(state)
+    return _number_leaves(state, [0])
+
+
 nested_values = st.recursive(st.one_of(json_scalars, tensors(), arrays()), _containers, max_leaves=8)
 states = st.dictionaries(st.text(min_size=1, max_size=6), nested_values, min_size=1, max_size=4)
 
@@ -84,9 +145,11 @@ def assert_same_state(expected: Any, actual: Any, path: str = "") -> None:
         assert np.ascontiguousarray(actual).tobytes() == np.ascontiguousarray(expected).tobytes(), path
     elif isinstance(expected, dict):
         assert type(actual) is type(expected), path
-        assert list(actual.keys()) == list(expected.keys()), path
+        assert [(type(k), k) for k in actual] == [(type(k), k) for k in expected], path
         for key in expected:
-            assert_same_state(expected[key], actual[key], f"{path}/{key}")
+            assert_same_state(expected[key], actual[key], f"{path}/{key!r}")
+        if getattr(expected, "_metadata", None) is not None:
+            assert_same_state(expected._metadata, getattr(actual, "_metadata", None), f"{path}._metadata")
     elif isinstance(expected, (list, tuple)):
         assert type(actual) is type(expected) and len(actual) == len(expected), path
         for i, (e, a) in enumerate(zip(expected, actual)):

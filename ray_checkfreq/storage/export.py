@@ -1,4 +1,9 @@
-"""Export a checkpoint as a ``.safetensors`` file (flattened key paths) or a ``.pt`` state dict."""
+"""Export a checkpoint as a ``.safetensors`` file (flattened key paths) or a ``.pt`` state dict.
+
+Tensor names are the leaves' unique names from ``storage.tree`` (``"optimizer/state/0/exp_avg"``;
+``/`` and ``%`` inside a key percent-encoded), so no two leaves share one; a leaf named
+``__metadata__`` (safetensors' own entry) is written as ``%5F_metadata__``.
+"""
 
 from __future__ import annotations
 
@@ -35,14 +40,22 @@ def export_checkpoint(store: Any, step: int | None, target: str) -> str:
     return target
 
 
+def _safetensors_name(name: str) -> str:
+    return "%5F_metadata__" if name == "__metadata__" else name
+
+
 def write_safetensors(state: dict, path: str, *, metadata: dict[str, str] | None = None) -> None:
     """Tensors and numpy arrays under their key paths ("optimizer/state/0/exp_avg");
-    the JSON-able rest of the state goes to the metadata entry ``ray_checkfreq.state``."""
+    the JSON-able rest of the state goes to the metadata entry ``ray_checkfreq.state``, whose
+    leaf references ``{"tensor": i}`` name the tensor ``names[i]`` of ``ray_checkfreq.names``."""
     flat = flatten_state(state)
     header: dict[str, Any] = {}
     payload = []
     offset = 0
-    for key, leaf in zip(flat.key_paths, flat.leaves):
+    names = [_safetensors_name(name) for name in flat.key_paths]
+    for key, leaf in zip(names, flat.leaves):
+        if key in header:  # names are unique by construction: this would lose a tensor
+            raise ValueError(f"{key}: two leaves of the state have this name")
         tensor = torch.from_numpy(leaf) if not isinstance(leaf, torch.Tensor) else leaf
         dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
         if dtype is None:
@@ -51,7 +64,8 @@ def write_safetensors(state: dict, path: str, *, metadata: dict[str, str] | None
         header[key] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
         payload.append(data)
         offset += data.nbytes
-    header["__metadata__"] = dict(metadata or {}, **{"ray_checkfreq.state": json.dumps(flat.skeleton)})
+    header["__metadata__"] = dict(metadata or {}, **{"ray_checkfreq.state": json.dumps(flat.skeleton),
+                                                     "ray_checkfreq.names": json.dumps(names)})
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
     tmp = f"{path}.tmp"
