@@ -27,15 +27,18 @@ class Progress:
 
     def __init__(self, path: str | Path | None) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if path else None
+        self._k: int | None = None
 
     def record(self, iteration: int, k: int | None, samples: Sequence[int] = ()) -> None:
+        self._k = k
         if self._fd is not None:
             line = json.dumps({"iteration": iteration, "k": k, "samples": list(samples)}) + "\n"
             os.write(self._fd, line.encode())
 
     def kill_if(self, iteration: int, kill_at: int | None) -> None:
-        """SIGKILL this process when it reaches ``kill_at``: a preemption, nothing flushed."""
-        if iteration == kill_at:
+        """SIGKILL this process (a preemption: nothing flushed) at ``kill_at`` or, if the
+        policy is still profiling there, at the first iteration after it has chosen k."""
+        if kill_at is not None and iteration >= kill_at and self._k is not None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -93,16 +96,21 @@ def k_bound(crash: Crash, newest: Newest) -> int:
     return max(known)
 
 
-def assert_resumed_at_newest(crash: Crash, newest: Newest, *, start: int, executed: int, total: int) -> None:
-    """The restart began at the newest committed iteration, ran only the rest, lost at most 2k."""
-    assert newest.step > 0, f"the newest committed checkpoint is iteration {newest.step}: nothing to resume"
-    assert start == newest.step, (
+def assert_began_at_newest(newest_step: int, *, start: int, executed: int, total: int) -> None:
+    """The restarted run began at the newest committed iteration (> 0) and ran only the rest."""
+    assert newest_step > 0, f"the newest committed checkpoint is iteration {newest_step}: nothing to resume"
+    assert start == newest_step, (
         f"the restarted run began at iteration {start}, not at the newest committed checkpoint "
-        f"(iteration {newest.step})"
+        f"(iteration {newest_step})"
     )
-    assert executed == total - newest.step, (
-        f"the restarted run executed {executed} iterations; only the remaining {total - newest.step} "
-        f"after iteration {newest.step} were due"
+    assert executed == total - newest_step, (
+        f"the restarted run executed {executed} iterations; only the remaining {total - newest_step} "
+        f"after iteration {newest_step} were due"
     )
+
+
+def assert_resumed_at_newest(crash: Crash, newest: Newest, *, start: int, executed: int, total: int) -> None:
+    """As above, and the work lost to the crash is at most 2k."""
+    assert_began_at_newest(newest.step, start=start, executed=executed, total=total)
     lost, k = crash.kill_iteration - start, k_bound(crash, newest)
     assert 0 <= lost <= 2 * k, f"killed at {crash.kill_iteration}, resumed at {start}: lost {lost} > 2k = {2 * k}"
