@@ -14,6 +14,7 @@ caching allocator and be reused by the training stream while the copy still read
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,7 @@ class CudaOps:
     def __init__(self, cuda: Any = torch.cuda) -> None:
         self._cuda = cuda
         self._streams: dict[Any, Any] = {}
+        self._lock = threading.Lock()  # the training and the persist thread both ask for streams
 
     def device_of(self, tensor: torch.Tensor) -> Any | None:
         return tensor.device if tensor.is_cuda else None
@@ -62,11 +64,12 @@ class CudaOps:
         return torch.empty(like.shape, dtype=like.dtype, device=device)
 
     def copy_stream(self, device: Any) -> Any:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._cuda.Stream(device=device, priority=self._least_priority())
-            self._streams[device] = stream
-        return stream
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._cuda.Stream(device=device, priority=self._least_priority())
+                self._streams[device] = stream
+            return stream
 
     def _least_priority(self) -> int:
         # (least, greatest); lower numbers are higher priorities and 0 is the default
