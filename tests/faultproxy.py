@@ -3,7 +3,9 @@
 ``rules`` is a list of ``(predicate, action, times)``: the first rule whose predicate
 matches ``(method, path_with_query)`` and still has ``times`` left decides the request.
 Actions: "500" (an S3 InternalError reply), "503" (SlowDown), "drop" (read the request,
-close the connection without a reply). Every request is logged in ``requests``.
+close the connection without a reply), "lose_reply" (forward the request, so the server
+acts on it, then close the connection without a reply). Every request is logged in
+``requests``, with its headers in ``headers``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.rules: list[list] = []
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[tuple[str, str, dict]] = []
         self.injected: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
         proxy = self
@@ -37,8 +40,10 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._read_body()
-                action = proxy._decide(self.command, self.path)
-                if action == "drop":
+                action = proxy._decide(self.command, self.path, dict(self.headers.items()))
+                if action == "lose_reply":
+                    self._forward(body, reply=False)
+                if action in ("drop", "lose_reply"):
                     self.close_connection = True
                     self.connection.close()
                     return
@@ -56,13 +61,16 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(length) if length else b""
 
-            def _forward(self, body: bytes) -> None:
+            def _forward(self, body: bytes, reply: bool = True) -> None:
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
                 headers["Host"] = self.headers.get("Host", "")
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
+                if not reply:
+                    upstream.close()
+                    return
                 out = {k: v for k, v in response.getheaders() if k.lower() not in _HOP_HEADERS | {"content-length"}}
                 self._reply(response.status, data, out, head=self.command == "HEAD",
                             length=response.getheader("Content-Length"))
@@ -95,9 +103,10 @@ class FaultProxy:
     def add_rule(self, predicate: Callable[[str, str], bool], action: str, times: int = 1) -> None:
         self.rules.append([predicate, action, times])
 
-    def _decide(self, method: str, path: str) -> str:
+    def _decide(self, method: str, path: str, headers: dict) -> str:
         with self._lock:
             self.requests.append((method, path))
+            self.headers.append((method, path, headers))
             for rule in self.rules:
                 predicate, action, times = rule
                 if times > 0 and predicate(method, path):

@@ -64,6 +64,11 @@ class ArrowBackend(Backend):
 
         return self._type("") != pafs.FileType.NotFound or self.fs.type_name in _OBJECT_STORES
 
+    def create_exclusive(self, rel_path: str, data: bytes, *, make_parents: bool = False) -> bool:
+        if make_parents and "/" in rel_path:
+            self.make_dir(rel_path.rsplit("/", 1)[0])
+        return super().create_exclusive(rel_path, data)
+
     def make_dir(self, rel_dir: str) -> None:
         try:
             self.fs.create_dir(self._path(rel_dir), recursive=True)
