@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from ray_checkfreq.bench import BENCHMARKS
-from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError
+from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import CheckpointStore
 
 
@@ -74,26 +74,36 @@ def _bench_runner(module: str):
     return run
 
 
+def _existing_store(uri: str) -> CheckpointStore:
+    """A store for reading; refuses a root that is not there (and creates nothing)."""
+    store = CheckpointStore(uri)
+    if not store.backend.root_exists():
+        raise StorageError(store.uri, "does not exist")
+    return store
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.uri)
+    store = _existing_store(args.uri)
     rows = store.scan()
     if not rows:
         print(f"no checkpoints in {store.uri}")
         return 0
-    print(f"{'step':>10}  {'epoch':>5}  {'size':>10}  {'committed (UTC)':<19}  directory")
+    # Rows come oldest first: by writer generation, then step (the newest writer's last).
+    print(f"{'writer':>6}  {'step':>10}  {'epoch':>5}  {'size':>10}  {'committed (UTC)':<19}  directory")
     for ref, name, fault in rows:
         if ref is not None:
             when = datetime.fromtimestamp(ref.created_unix_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             flag = "yes" if ref.epoch_boundary else "-"
-            print(f"{ref.step:>10}  {flag:>5}  {_human(ref.size_bytes):>10}  {when:<19}  {name}")
+            print(f"{ref.writer_generation:>6}  {ref.step:>10}  {flag:>5}  {_human(ref.size_bytes):>10}  "
+                  f"{when:<19}  {name}")
         else:
             status = f"CORRUPT MANIFEST: {fault.reason}" if fault else "uncommitted (interrupted save)"
-            print(f"{'?':>10}  {'':>5}  {'':>10}  {'':<19}  {name}  [{status}]")
+            print(f"{'':>6}  {'?':>10}  {'':>5}  {'':>10}  {'':<19}  {name}  [{status}]")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = CheckpointStore(args.uri)
+    store = _existing_store(args.uri)
     failures = 0
     if args.step is not None:
         targets = [args.step]
@@ -121,7 +131,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ray_checkfreq.storage.export import export_checkpoint
 
-    store = CheckpointStore(args.uri)
+    store = _existing_store(args.uri)
     written = export_checkpoint(store, args.step, args.target)
     print(f"wrote {written}")
     return 0

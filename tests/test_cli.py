@@ -31,6 +31,22 @@ def test_ls_lists_steps_and_leftovers(store_with_two, capsys):
     assert "step-000000000030-0badc0de" in out and "uncommitted" in out
 
 
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["export", "--to", "out.pt"]])
+def test_a_missing_path_is_an_error_and_is_not_created(tmp_path, capsys, command):
+    missing = str(tmp_path / "no" / "such" / "path")
+    assert main([command[0], missing, *command[1:]]) == 1
+    err = capsys.readouterr().err
+    assert missing in err and "does not exist" in err
+    assert not os.path.exists(tmp_path / "no")
+
+
+def test_ls_shows_the_writer_generation_and_lists_the_newest_writer_last(store_with_two, capsys):
+    CheckpointStore(store_with_two.uri).save(5, {"x": torch.ones(2)})  # a new writer, a lower step
+    assert main(["ls", store_with_two.uri]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(row[0], row[1]) for row in rows] == [("1", "10"), ("1", "20"), ("2", "5")]
+
+
 def test_verify_exit_codes_and_the_faulty_file_is_named(store_with_two, capsys):
     assert main(["verify", store_with_two.uri]) == 0
     assert main(["verify", store_with_two.uri, "--step", "10"]) == 0
