@@ -109,7 +109,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         targets = [args.step]
     else:
         targets = []
-        for ref, name, fault in store.scan():
+        for ref, _name, fault in store.scan():
             if fault is not None:
                 print(f"FAULT {fault}")
                 failures += 1
