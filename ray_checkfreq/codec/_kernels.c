@@ -44,18 +44,21 @@ static void e8_locate(e8_streams *s, uint8_t *base, Py_ssize_t n, int width) {
     s->p = s->nib + 2 * s->g;
 }
 
-/* The median exponent of every OFFSET_SAMPLE_STEP-th element, minus OFFSET_CENTER. */
+/* The median exponent of every OFFSET_SAMPLE_STEP-th element, minus OFFSET_CENTER. The
+ * histogram is kept in four parts, one per sample position modulo 4: most samples share
+ * a few exponents, and one histogram would make every increment wait for the previous
+ * one. */
 #define E8_OFFSET(NAME, WORD, MB)                                                        \
     static uint8_t NAME(const uint8_t *src, Py_ssize_t n) {                              \
-        Py_ssize_t hist[256] = {0}, sampled = 0, seen = 0;                               \
+        Py_ssize_t hist[4][256] = {{0}}, sampled = 0, seen = 0;                          \
         for (Py_ssize_t i = 0; i < n; i += OFFSET_SAMPLE_STEP, sampled++) {              \
             WORD w;                                                                      \
             memcpy(&w, src + (size_t)i * sizeof(WORD), sizeof(WORD));                    \
-            hist[(w >> MB) & 0xFF]++;                                                    \
+            hist[sampled & 3][(w >> MB) & 0xFF]++;                                       \
         }                                                                                \
         int median = 0;                                                                  \
         for (; median < 255; median++) {                                                 \
-            seen += hist[median];                                                        \
+            seen += hist[0][median] + hist[1][median] + hist[2][median] + hist[3][median]; \
             if (2 * seen >= sampled)                                                     \
                 break;                                                                   \
         }                                                                                \

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zstandard
 
-from ray_checkfreq.codec import nearlossless, zstdparams
+from ray_checkfreq.codec import grouping, nearlossless, zstdparams
 from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, VERSION, FrameEntry
 from ray_checkfreq.codec.dtypes import DtypeInfo
 from ray_checkfreq.codec.errors import BaseMismatchError, CorruptBlobError
@@ -62,7 +63,7 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
         data = nearlossless.round_frame(data, plan.info, plan.precision_bits)
     base_crc = 0
     if base is not None:
-        base_crc = zlib.crc32(base[lo:hi])
+        base_crc = zlib.crc32(base[lo:hi].data)
         data = _xor(data, base[lo:hi], plan.info.unit_bytes)
     streams = plan.layout.split(data)
     stored, table, crc, raw_crc = [], [], 0, 0
@@ -95,19 +96,23 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
     The stored crc is left to verify(): the content checks already reject any damage.
     """
     lo, hi = plan.bounds(i)
-    if base is not None and zlib.crc32(base[lo:hi]) != entry.base_crc:
+    if base is not None and zlib.crc32(base[lo:hi].data) != entry.base_crc:
         raise BaseMismatchError(
             "decode was given a different base than the one this delta blob was encoded "
             f"against (base checksum mismatch in frame {i}); pass the exact tensor that "
             "was given as base= to encode")
     stored = payload[offset:offset + entry.stored_len]
+    target = out[lo:hi]
     streams, pos, raw_crc = [], 0, 0
     lengths = plan.layout.stream_lengths(hi - lo)
-    for (method, n), stream_len in zip(entry.streams, lengths, strict=True):
-        chunk = stored[pos:pos + n]
+    for j, ((method, n), stream_len) in enumerate(zip(entry.streams, lengths, strict=True)):
+        chunk: Any = stored[pos:pos + n]
         pos += n
         if method == METHOD_ZSTD:
-            chunk = _decompress(chunk, stream_len, i, version)
+            # Into this thread's scratch (cache-warm, no fresh pages), or straight into
+            # the output when the frame is one stream.
+            dst = target if plan.width == 1 else grouping.scratch(f"stream{j}", stream_len)
+            chunk = _decompress_into(chunk, dst[:stream_len], i, version)
         elif method != METHOD_RAW or n != stream_len:
             raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
         elif version >= 2:
@@ -116,27 +121,36 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
     if version >= 2 and raw_crc != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
                                "stream stored raw)")
-    target = out[lo:hi]
-    plan.layout.merge(streams, target)
+    if not (plan.width == 1 and entry.streams[0][0] == METHOD_ZSTD):
+        plan.layout.merge(streams, target)
     if base is not None:
         utype = _UNSIGNED[plan.info.unit_bytes]
         np.bitwise_xor(target.view(utype), base[lo:hi].view(utype), out=target.view(utype))
-    if version < 2 and zlib.crc32(target) != entry.raw_crc:
+    if version < 2 and zlib.crc32(target.data) != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} decoded to wrong bytes "
                                "(content checksum mismatch)")
 
 
-def _decompress(chunk: memoryview, expected: int, i: int, version: int) -> bytes:
+def _decompress_into(chunk: memoryview, dst: np.ndarray, i: int, version: int) -> np.ndarray:
+    """Decompress the zstd frame ``chunk`` into ``dst`` (its exact decoded size); zstd
+    checks the content checksum when it reaches the frame's end."""
+    expected = dst.nbytes
     try:
         params = zstandard.get_frame_parameters(chunk)
         if params.content_size != expected:
             raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
         if version >= 2 and not params.has_checksum:
             raise CorruptBlobError(f"codec blob frame {i} has a stream without checksum")
-        # allow_extra_data=False: a damaged header must not hide the trailing checksum.
-        data = zstdparams.decompressor().decompress(chunk, allow_extra_data=False)
+        reader = zstdparams.decompressor().stream_reader(chunk, read_across_frames=False)
+        filled = 0
+        while filled < expected:
+            got = reader.readinto(dst[filled:])
+            if not got:
+                break
+            filled += got
+        # The read past the end makes zstd consume (and check) the trailing checksum.
+        if filled != expected or reader.read(1):
+            raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
     except zstandard.ZstdError as exc:
         raise CorruptBlobError(f"codec blob frame {i} does not decompress: {exc}") from None
-    if len(data) != expected:
-        raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
-    return data
+    return dst

@@ -15,7 +15,7 @@ import numpy as np
 from ray_checkfreq.codec import grouping, planar
 
 try:
-    from ray_checkfreq.codec import _kernels
+    from ray_checkfreq.codec import _kernels  # type: ignore[attr-defined]
 except ImportError:  # a source tree without a build: correct, several times slower
     _kernels = None
 
@@ -56,7 +56,7 @@ class Layout:
         """Whether stream ``j`` holds exponent bits (coded with the exponent's zstd settings)."""
         if self.kind == E8:
             return j < 2
-        rotated = self.kind == SIGN_ROTATED or (self.kind == BYTES and self.rotation)
+        rotated = self.kind == SIGN_ROTATED or (self.kind == BYTES and self.rotation > 0)
         return rotated and j == self.unit - 1
 
     def split(self, frame: np.ndarray) -> list:

@@ -18,6 +18,8 @@ bit for bit; a finite value never becomes inf or NaN, and never changes sign.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ray_checkfreq.codec.dtypes import DtypeInfo
@@ -43,7 +45,7 @@ def round_frame(frame: np.ndarray, info: DtypeInfo, bits: int) -> np.ndarray:
     utype = _UNSIGNED[info.unit_bytes]
     u = frame.view(utype)
     one = utype(1)
-    low_mask = utype((1 << drop) - 1)
+    low_mask: Any = utype((1 << drop) - 1)
     truncated = u & ~low_mask
     rounded = u + utype((1 << (drop - 1)) - 1)
     rounded += (u >> utype(drop)) & one

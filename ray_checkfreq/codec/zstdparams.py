@@ -38,6 +38,7 @@ def compressor(key: object) -> zstandard.ZstdCompressor:
         if key == "exp":
             comp = zstandard.ZstdCompressor(compression_params=EXPONENT_PARAMS)
         else:
+            assert isinstance(key, int)
             comp = zstandard.ZstdCompressor(level=key, write_checksum=True)
         cache[key] = comp
     return comp
