@@ -27,18 +27,25 @@ class Progress:
 
     def __init__(self, path: str | Path | None) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if path else None
-        self._k: int | None = None
+        self._steady = False
+        self._committed_when_k_chosen: int | None = None
 
-    def record(self, iteration: int, k: int | None, samples: Sequence[int] = ()) -> None:
-        self._k = k
+    def record(self, iteration: int, stats: dict, samples: Sequence[int] = ()) -> None:
+        """After ``cf.step()``: the iteration, ``cf.stats()`` and the samples it trained on."""
+        k, committed = stats["k"], stats["checkpoints_committed"]
+        if k is not None and self._committed_when_k_chosen is None:
+            self._committed_when_k_chosen = committed
+        # The 2k bound holds once a checkpoint taken at the chosen k has committed; a crash
+        # in the profiling window or just after it may lose the whole window.
+        self._steady = self._committed_when_k_chosen is not None and committed > self._committed_when_k_chosen
         if self._fd is not None:
             line = json.dumps({"iteration": iteration, "k": k, "samples": list(samples)}) + "\n"
             os.write(self._fd, line.encode())
 
     def kill_if(self, iteration: int, kill_at: int | None) -> None:
         """SIGKILL this process (a preemption: nothing flushed) at ``kill_at`` or, if the
-        policy is still profiling there, at the first iteration after it has chosen k."""
-        if kill_at is not None and iteration >= kill_at and self._k is not None:
+        policy has not reached its steady state there, as soon as it has."""
+        if kill_at is not None and iteration >= kill_at and self._steady:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

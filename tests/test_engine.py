@@ -177,7 +177,7 @@ def _full_run(storage, total, kill_at=None, progress=None) -> Run:
         data.consumed += 8
         cf.step()
         executed += 1
-        record.record(it + 1, cf.stats()["k"])
+        record.record(it + 1, cf.stats())
     cf.close()
     return Run(model, opt, sched, data, cf, start, executed)
 

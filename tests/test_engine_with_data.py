@@ -51,7 +51,7 @@ def _train(storage: str, kill_at: int | None = None, progress: str | None = None
             seen.extend(batch["index"].tolist())
             done += 1
             cf.step()
-            record.record(done, cf.stats()["k"], batch["index"].tolist())
+            record.record(done, cf.stats(), batch["index"].tolist())
     cf.close()
     return Run(model, start, done - start, seen)
 

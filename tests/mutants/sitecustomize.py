@@ -4,7 +4,8 @@ Python imports this module at start-up when its folder is on PYTHONPATH; it does
 unless RAY_CHECKFREQ_MUTANT names a mutant. Child processes inherit both variables, so
 the break reaches every process a test starts (the demo's included).
   restore-noop      restore() loads nothing and returns 0: the job retrains from scratch
-  restore-previous  restore() loads the newest checkpoint but one (an older step)
+  restore-previous  restore() loads the newest checkpoint but one (an older step), or
+                    nothing when only one step is committed
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _restore_previous_factory(restore):
         refs = self.store.list()
         older = [ref for ref in refs if ref.step < refs[-1].step] if refs else []
         if not older:
-            return restore(self)
+            return 0  # only one checkpoint step: restore nothing, so the mutant is always wrong
         store, chosen = self.store, older[-1]
         # hide the newer checkpoints from this CheckFreq's own store object only
         store.list = lambda: older[:]
