@@ -139,3 +139,102 @@ def test_adaptive_rate_takes_its_reference_from_quiet_iterations():
     for i in range(60):
         rate.record(2.8 if i % 4 == 0 else 2.0, 0.0, busy=(i % 4 == 0))
     assert rate.k > 4 and rate.last_overhead == pytest.approx(0.10)
+
+
+# ------------------------------------------------------- measured interference
+from ray_checkfreq.engine.policy import (  # noqa: E402
+    choose_codec,
+    compression_could_pay,
+    fixed_interval_codec,
+    interference_s,
+    iteration_time_s,
+    quiet_reference_s,
+)
+from ray_checkfreq.engine.profiling import CodecTrial, ProfilingWindow  # noqa: E402
+
+
+def test_measured_interference_sets_k_when_it_exceeds_the_papers_stall():
+    # To = 0 (copy hidden), persist needs ceil((0.5 + 3) / 1) = 4; but training lost 0.7 s
+    # per checkpoint beside the persist: kcost = ceil(0.7 / (0.035 * 1)) = 20
+    decision = choose_interval(cpu_profile(interference_s=0.7), overhead=0.035)
+    assert (decision.overhead_s, decision.k_min, decision.k_persist, decision.k_cost, decision.k) == (0.0, 1, 4, 20, 20)
+    assert decision.cost_s == pytest.approx(0.7)
+    assert decision.expected_overhead == pytest.approx(0.035)
+    assert decision.k_floor == 4, "the adaptive rate may come down to the paper's k"
+
+
+def test_interference_below_the_stall_changes_nothing():
+    # To = 1.5 - (1 - 0.5) = 1 > 0.3 measured: the paper's k = 20 stands
+    profile = cpu_profile(update_s=0.5, cpu_copy_s=1.5, persist_s=2.0, interference_s=0.3)
+    decision = choose_interval(profile, overhead=0.05)
+    assert (decision.cost_s, decision.k_cost, decision.k) == (pytest.approx(1.0), 20, 20)
+
+
+def test_young_daly_uses_the_measured_cost():
+    profile = cpu_profile(update_s=0.9, cpu_copy_s=0.1, persist_s=0.5, interference_s=0.2)  # To = 0
+    decision = choose_interval(profile, overhead=0.05, mtbf_s=100)
+    # C = 0.2 (not To = 0): sqrt(2 * 0.2 * 100) = 6.3 s -> 6; kcost = ceil(0.2 / 0.05) = 4 already below
+    assert (decision.young_daly_k, decision.k) == (6, 4)
+    # sqrt(2 * 0.2 * 1) = 0.6 s -> 1 iteration, but p holds k at kcost = 4
+    assert choose_interval(profile, overhead=0.05, mtbf_s=1).k == 4
+
+
+def test_interference_is_what_busy_iterations_lost_against_the_quiet_mean():
+    quiet = [1.0, 1.0, 1.2, 0.8, 1.0, 9.0]  # 9.0 is a pause (>= 3x the median): left out
+    assert quiet_reference_s(quiet) == pytest.approx(1.0)
+    assert interference_s(quiet, [1.5, 1.25, 1.0, 1.0]) == pytest.approx(0.75)
+    assert interference_s(quiet, [0.9, 0.9]) == 0.0, "never negative"
+    assert iteration_time_s([5.0, 3.0, 1.0, 1.2, 0.9, 1.1, 1.0], warmup=2) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="warm-up of 2"):
+        iteration_time_s([5.0, 3.0], warmup=2)
+
+
+def test_compression_is_tried_only_where_the_persist_holds_k_up():
+    persist_bound = choose_interval(cpu_profile(persist_s=30.0, interference_s=0.1))  # k_persist 31, k_cost 3
+    cost_bound = choose_interval(cpu_profile(persist_s=0.2, interference_s=0.7))  # k_persist 1, k_cost 20
+    assert compression_could_pay(persist_bound, size_bytes=100 << 20)
+    assert not compression_could_pay(persist_bound, size_bytes=4096), "per-file latency, not bytes"
+    assert not compression_could_pay(cost_bound, size_bytes=100 << 20)
+
+
+def test_compression_wins_only_by_a_clear_margin_in_k():
+    raw = choose_interval(cpu_profile(persist_s=30.0, interference_s=0.1))  # k 31
+    rcfz = choose_interval(cpu_profile(persist_s=18.0, interference_s=0.3, compress=True))  # k 19 <= 0.8 * 31
+    assert choose_codec({"raw": raw, "rcfz": rcfz}) == "rcfz"
+    assert choose_codec({"raw": raw}) == "raw"
+    close = choose_interval(cpu_profile(persist_s=26.0, interference_s=0.1, compress=True))  # k 27 > 24.8
+    assert choose_codec({"raw": raw, "rcfz": close}) == "raw", "a gain within timing noise"
+    slow_rcfz = choose_interval(cpu_profile(persist_s=29.0, interference_s=1.2, compress=True))  # kcost 35
+    assert choose_codec({"raw": raw, "rcfz": slow_rcfz}) == "raw"
+
+
+def test_with_a_fixed_k_compression_is_tried_once_and_only_when_the_persist_outlasts_k():
+    assert fixed_interval_codec({"raw": 0.5}, interval_s=1.0) == "raw"
+    assert fixed_interval_codec({"raw": 3.0, "rcfz": 2.0}, interval_s=1.0) == "rcfz"
+    assert fixed_interval_codec({"raw": 3.0, "rcfz": 3.5}, interval_s=1.0) == "raw"
+    fast = CodecTrial()
+    assert fast.next_codec() == "raw"
+    fast.record("raw", 0.2, interval_s=1.0)
+    assert (fast.decided, fast.next_codec()) == ("raw", "raw")
+    slow = CodecTrial()
+    slow.record("raw", 4.0, interval_s=1.0)
+    assert slow.decided is None and slow.next_codec() == "rcfz"
+    slow.record("rcfz", 2.5, interval_s=1.0)
+    assert slow.decided == "rcfz"
+    slow.record("rcfz", 9.0, interval_s=1.0)
+    assert slow.decided == "rcfz", "decided once"
+
+
+def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measures_ten_busy():
+    window = ProfilingWindow(quiet_iters=2)  # asked for 2: still 2 warm-up + 5 samples
+    times = [9.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+    assert not any(window.record_quiet(t) for t in times)
+    assert window.record_quiet(1.0)
+    assert window.iter_s() == 1.0
+    window.start_measuring("raw")
+    assert not any(window.record_busy(1.1, persist_busy=False) for _ in range(9))
+    assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
+    assert window.record_busy(1.1, persist_busy=False)
+    measured = window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10)
+    assert measured.interference_s == pytest.approx(11 * 0.1)
+    assert not window.measuring and window.measured["raw"] == measured

@@ -1,20 +1,27 @@
-"""``ray-checkfreq bench overhead``: overhead at the policy's k, and the adaptive rate.
+"""``ray-checkfreq bench overhead``: overhead at the policy's k, fixed k, and the adaptive rate.
 
 Iteration times drift by several percent between runs on a shared machine, more than
-the 3.5 % to be measured. So every figure here comes from one interleaved run: two
-identical models train in alternating blocks of ``--block`` iterations, one with
-CheckFreq and one without, and overhead = time(with) / time(without) - 1 over the same
-stretch of wall-clock time. At each switch from the CheckFreq block, ``cf.flush()`` lets
-the in-flight checkpoint finish so that it does not run under the baseline's block (that
-wait is not counted; at most one persist per block).
+the 3.5 % to be measured. So every figure here comes from one interleaved run: identical
+models train in alternating blocks of ``--block`` iterations, one with CheckFreq (or
+``torch.save``) and one without, and overhead = time(with) / time(without) - 1 over the
+same stretch of wall-clock time. A CheckFreq block runs on past ``--block`` until no
+checkpoint is in flight (so no persist spills into the baseline's block, and none is
+left out), and the baseline's block then runs as many iterations.
 
-Part 1: p = ``--overhead``, the policy choosing k after its profiling window; prints the
-overhead, k and checkpoints per epoch.
+Parts (``--parts``, default all):
 
-Part 2 (the paper's Table 5, both directions): storage is slowed (``--slow-s`` extra
-seconds per checkpoint write) in the middle third of the run, then restored. The adaptive
-rate against a fixed k (the k the adaptive run had settled on by the end of phase 1):
-overhead per phase, and k at the end of each phase.
+- ``first``: p = ``--overhead``, the policy choosing k after its profiling window. Overhead
+  over the first ``--first`` iterations (profiling and its checkpoints included) and over
+  the rest, the policy's first k and the k the adaptive rate ends at.
+- ``every``: a fixed ``--every`` k, CheckFreq (compression decided by measurement) against
+  synchronous ``torch.save`` + fsync at the same k.
+- ``adaptive`` (the paper's Table 5, both directions): storage is slowed (``--slow-s``
+  extra seconds per checkpoint write) in the middle third of the run, then restored. The
+  adaptive rate against a fixed k (the k the adaptive run had settled on by the end of
+  phase 1): overhead per phase, and k at the end of each phase.
+
+``--threads`` sets the training's torch threads (1 leaves a core to persist, as a GPU
+job's host would; the default is torch's own).
 """
 
 from __future__ import annotations
@@ -22,23 +29,32 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ray_checkfreq.engine import CheckFreq
 from ray_checkfreq.storage import CheckpointStore
 
+PARTS = ("first", "every", "adaptive")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=1500, help="CheckFreq iterations in part 1")
-    parser.add_argument("--epoch-len", type=int, default=1000, help="iterations per epoch")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--iterations", type=int, default=900, help="CheckFreq iterations in part first")
+    parser.add_argument("--first", type=int, default=300, help="the early stretch reported apart (part first)")
+    parser.add_argument("--epoch-len", type=int, default=100_000, help="iterations per epoch")
     parser.add_argument("--overhead", type=float, default=0.035, help="allowed overhead p")
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (sets model size and step time)")
-    parser.add_argument("--block", type=int, default=100, help="iterations per interleaved block")
-    parser.add_argument("--phase-iters", type=int, default=1600, help="CheckFreq iterations per phase (part 2)")
+    parser.add_argument("--width", type=int, default=2048, help="MLP width (sets model size and step time)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for training")
+    parser.add_argument("--block", type=int, default=50, help="iterations per interleaved block")
+    parser.add_argument("--every", type=int, default=10, help="the fixed k of part every")
+    parser.add_argument("--every-iters", type=int, default=300, help="iterations of part every")
+    parser.add_argument("--phase-iters", type=int, default=600, help="CheckFreq iterations per phase (part adaptive)")
     parser.add_argument("--slow-s", type=float, default=3.0, help="extra seconds per write while storage is slow")
     parser.add_argument("--json", default=None, help="write the figures to this file")
 
@@ -49,7 +65,7 @@ class ThrottledStore(CheckpointStore):
     slow = False
     extra_s = 0.0
 
-    def save(self, *args, **kwargs):
+    def save(self, *args: Any, **kwargs: Any) -> Any:
         ref = super().save(*args, **kwargs)
         if self.slow:
             time.sleep(self.extra_s)
@@ -57,7 +73,7 @@ class ThrottledStore(CheckpointStore):
 
 
 class Trainer:
-    """One model + optimizer + batch, stepping with or without CheckFreq."""
+    """One model + optimizer + batch, stepping with CheckFreq, a checkpoint hook, or neither."""
 
     def __init__(self, width: int) -> None:
         torch.manual_seed(0)
@@ -66,92 +82,161 @@ class Trainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.inputs = torch.randn(64, width)
         self.cf: CheckFreq | None = None
+        self.after_step: Callable[[int], None] | None = None
+        self.iteration = 0
 
     def twin(self) -> Trainer:
         other = copy.copy(self)
         other.model = copy.deepcopy(self.model)
         other.opt = torch.optim.Adam(other.model.parameters(), lr=1e-4)
         other.cf = None
+        other.after_step = None
         return other
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        self.model(self.inputs).square().mean().backward()
+        self.opt.step()
+        self.iteration += 1
+        if self.cf is not None:
+            self.cf.step()
+        if self.after_step is not None:
+            self.after_step(self.iteration)
 
     def run(self, iterations: int) -> float:
         start = time.perf_counter()
         for _ in range(iterations):
-            self.opt.zero_grad(set_to_none=False)
-            self.model(self.inputs).square().mean().backward()
-            self.opt.step()
-            if self.cf is not None:
-                self.cf.step()
+            self.step()
         return time.perf_counter() - start
+
+    def run_until_idle(self, iterations: int) -> tuple[int, float]:
+        """At least ``iterations``, then on until no checkpoint is in flight."""
+        start = time.perf_counter()
+        done = 0
+        while done < iterations or (self.cf is not None and self.cf.in_flight):
+            self.step()
+            done += 1
+        return done, time.perf_counter() - start
+
+
+Pair = tuple[int, float, float]  # iterations, seconds without, seconds with
 
 
 def interleaved(plain: Trainer, checked: Trainer, iterations: int, block: int,
-                before_block: Callable[[int], None] | None = None) -> list[tuple[float, float]]:
-    """Alternate blocks; returns (seconds without, seconds with) per block pair."""
-    pairs = []
+                before_block: Callable[[int], None] | None = None) -> list[Pair]:
+    """Alternate blocks; returns (iterations, seconds without, seconds with) per block pair."""
+    pairs: list[Pair] = []
     done = 0
     while done < iterations:
-        n = min(block, iterations - done)
         if before_block:
             before_block(done)
-        with_cf = checked.run(n)
-        checked.cf.flush()
+        n, with_cf = checked.run_until_idle(min(block, iterations - done))
         without = plain.run(n)
-        pairs.append((without, with_cf))
+        pairs.append((n, without, with_cf))
         done += n
     return pairs
 
 
-def _overhead(pairs: list[tuple[float, float]]) -> float:
-    without = sum(p[0] for p in pairs)
-    return sum(p[1] for p in pairs) / without - 1
+def _overhead(pairs: list[Pair]) -> float:
+    return sum(p[2] for p in pairs) / sum(p[1] for p in pairs) - 1
 
 
-def part_overhead(args: argparse.Namespace, root: str) -> dict:
-    plain = Trainer(args.width)
+def _split(pairs: list[Pair], first: int) -> tuple[list[Pair], list[Pair]]:
+    done = 0
+    for index, pair in enumerate(pairs):
+        done += pair[0]
+        if done >= first:
+            return pairs[:index + 1], pairs[index + 1:]
+    return pairs, []
+
+
+def _pair_of_trainers(width: int) -> tuple[Trainer, Trainer]:
+    plain = Trainer(width)
     checked = plain.twin()
-    plain.run(30)
-    checked.run(30)
-    checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=f"{root}/overhead",
+    plain.run(5)  # warm-up: Adam state allocated
+    checked.run(5)
+    return plain, checked
+
+
+def part_first(args: argparse.Namespace, root: str) -> dict:
+    plain, checked = _pair_of_trainers(args.width)
+    checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=f"{root}/first",
                            overhead=args.overhead, epoch_len=args.epoch_len)
     checked.cf.restore()
-    window = checked.cf.config.profiling_window() + 1
-    profiling = interleaved(plain, checked, window, window)  # the one-off profiling, apart
-    pairs = interleaved(plain, checked, args.iterations - window, args.block)
+    pairs = interleaved(plain, checked, args.iterations, args.block)
     checked.cf.close()
     stats = checked.cf.stats()
+    first, rest = _split(pairs, args.first)
+    decision = checked.cf.decision
     return {
-        "iterations": args.iterations,
-        "iter_s": sum(p[0] for p in pairs) / (args.iterations - window),
+        "iterations": sum(p[0] for p in pairs),
+        "first_iterations": sum(p[0] for p in first),
+        "iter_s": sum(p[1] for p in pairs) / sum(p[0] for p in pairs),
+        "overhead_first": _overhead(first),
+        "overhead_rest": _overhead(rest) if rest else None,
         "overhead": _overhead(pairs),
-        "overhead_with_profiling": _overhead(pairs + profiling),
-        "overhead_last_half": _overhead(pairs[len(pairs) // 2:]),
         "engine_estimate": stats["overhead_estimate"],
-        "policy_k": checked.cf.decision.k,
+        "policy_k": decision.k if decision else None,
+        "policy_cost_ms": 1e3 * decision.cost_s if decision else None,
         "k": stats["k"],
         "k_changes": stats["k_changes"],
         "mode": stats["mode"],
         "compress": stats["compress"],
         "checkpoints": stats["checkpoints_committed"],
-        "checkpoints_per_epoch": args.epoch_len / stats["k"],
-        "stall_s_per_checkpoint": stats["stall_s_per_checkpoint"],
+        "stall_ms_median": 1e3 * stats["stall_s_median"],
     }
+
+
+def part_every(args: argparse.Namespace, root: str) -> dict:
+    """CheckFreq at a fixed k against torch.save + fsync at the same k, each vs a baseline."""
+    plain, checked = _pair_of_trainers(args.width)
+    saver = plain.twin()
+    saver.run(5)
+    checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=f"{root}/every",
+                           every=args.every)
+    checked.cf.restore()
+    saver.after_step = _torch_saver(saver, f"{root}/torch-save", args.every)
+    cf_pairs: list[Pair] = []
+    save_pairs: list[Pair] = []
+    done = 0
+    while done < args.every_iters:
+        n, with_cf = checked.run_until_idle(min(args.block, args.every_iters - done))
+        without = plain.run(n)
+        with_save = saver.run(n)
+        cf_pairs.append((n, without, with_cf))
+        save_pairs.append((n, without, with_save))
+        done += n
+    checked.cf.close()
+    stats = checked.cf.stats()
+    return {"every": args.every, "iterations": done, "overhead_checkfreq": _overhead(cf_pairs),
+            "overhead_torch_save": _overhead(save_pairs), "compress": stats["compress"],
+            "checkpoints": stats["checkpoints_committed"], "stall_ms_median": 1e3 * stats["stall_s_median"]}
+
+
+def _torch_saver(trainer: Trainer, root: str, every: int) -> Callable[[int], None]:
+    os.makedirs(root, exist_ok=True)
+
+    def save(iteration: int) -> None:
+        if iteration % every:
+            return
+        path = os.path.join(root, "ckpt.pt")
+        with open(path + ".tmp", "wb") as f:
+            torch.save({"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    return save
 
 
 def part_adaptive(args: argparse.Namespace, root: str, every: int | None) -> dict:
     """``every=None``: the adaptive rate; else a fixed k."""
-    plain = Trainer(args.width)
-    checked = plain.twin()
-    plain.run(30)
-    checked.run(30)
+    plain, checked = _pair_of_trainers(args.width)
     store = ThrottledStore(f"{root}/adaptive-{every}", keep_last=2)
     store.extra_s = args.slow_s
     checked.cf = CheckFreq(model=checked.model, optimizer=checked.opt, storage=store, overhead=args.overhead,
                            epoch_len=args.epoch_len, every=every)
     checked.cf.restore()
-    if every is None:
-        window = checked.cf.config.profiling_window() + 1
-        interleaved(plain, checked, window, window)
     n = args.phase_iters
     phases, settled, ks = [], [], []
     for slow in (False, True, False):
@@ -162,45 +247,77 @@ def part_adaptive(args: argparse.Namespace, root: str, every: int | None) -> dic
         ks.append(checked.cf.stats()["k"])
     checked.cf.close()
     return {"adaptive": every is None, "overhead_per_phase": phases, "overhead_second_half": settled,
-            "k_at_phase_end": ks,
-            "k_changes": checked.cf.stats()["k_changes"]}
+            "k_at_phase_end": ks, "k_changes": checked.cf.stats()["k_changes"]}
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.overhead < 1:
         raise ValueError(f"--overhead {args.overhead}: must be a fraction in (0, 1)")
-    for name in ("iterations", "epoch_len", "width", "block", "phase_iters"):
+    for name in ("iterations", "first", "epoch_len", "width", "block", "every", "every_iters", "phase_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ValueError(f"--parts {args.parts!r}: expected some of {', '.join(PARTS)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="rcf-overhead-")
-    first = part_overhead(args, root)
-    adaptive = part_adaptive(args, root, every=None)
-    # the fixed k is the one the adaptive run had settled on under normal storage
-    fixed = part_adaptive(args, root, every=adaptive["k_at_phase_end"][0])
-    _print(args, first, fixed, adaptive)
+    figures: dict[str, Any] = {}
+    if "first" in parts:
+        figures["first"] = part_first(args, root)
+    if "every" in parts:
+        figures["every"] = part_every(args, root)
+    if "adaptive" in parts:
+        figures["adaptive"] = part_adaptive(args, root, every=None)
+        # the fixed k is the one the adaptive run had settled on under normal storage
+        figures["fixed"] = part_adaptive(args, root, every=figures["adaptive"]["k_at_phase_end"][0])
+    _print(args, figures)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"overhead": first, "fixed": fixed, "adaptive": adaptive}, f, indent=2)
+            json.dump(figures, f, indent=2)
     return 0
 
 
-def _print(args: argparse.Namespace, first: dict, fixed: dict, adaptive: dict) -> None:
-    print(f"part 1: p = {args.overhead:.1%}; {first['iterations']} iterations of {first['iter_s'] * 1e3:.1f} ms, "
-          f"interleaved with a baseline in blocks of {args.block}; epoch = {args.epoch_len} iterations")
-    print(f"  mode {first['mode']}, compression {'on' if first['compress'] else 'off'}; policy k {first['policy_k']}, "
-          f"adapted to {first['k']} (changes at iteration: {first['k_changes']})")
-    print(f"  {first['checkpoints']} checkpoints, {first['checkpoints_per_epoch']:.0f} per epoch at the final k; "
-          f"stall {first['stall_s_per_checkpoint'] * 1e3:.1f} ms per checkpoint")
-    print(f"  overhead {first['overhead']:.2%} (second half: {first['overhead_last_half']:.2%}; "
-          f"with the one-off profiling: {first['overhead_with_profiling']:.2%}; "
-          f"the engine's own estimate: {first['engine_estimate']:.2%})")
-    print(f"part 2: storage {args.slow_s:.1f} s slower per write in phase 2; {args.phase_iters} iterations a phase")
+def _print(args: argparse.Namespace, figures: dict) -> None:
+    print(f"MLP width {args.width}, Adam, {torch.get_num_threads()} training threads, {os.cpu_count()} cores; "
+          f"p = {args.overhead:.1%}; interleaved with a baseline in blocks of {args.block}")
+    if "first" in figures:
+        _print_first(args, figures["first"])
+    if "every" in figures:
+        e = figures["every"]
+        print(f"every: k = {e['every']} fixed, {e['iterations']} iterations; compression "
+              f"{_on_off(e['compress'])}; {e['checkpoints']} checkpoints, median stall {e['stall_ms_median']:.1f} ms")
+        print(f"  overhead: checkfreq {e['overhead_checkfreq']:.2%}, torch.save + fsync {e['overhead_torch_save']:.2%}")
+    if "adaptive" in figures:
+        _print_adaptive(args, figures["fixed"], figures["adaptive"])
+
+
+def _print_first(args: argparse.Namespace, f: dict) -> None:
+    rest = "n/a" if f["overhead_rest"] is None else f"{f['overhead_rest']:.2%}"
+    print(f"first: {f['iterations']} iterations of {f['iter_s'] * 1e3:.1f} ms; mode {f['mode']}, compression "
+          f"{_on_off(f['compress'])}; policy k {f['policy_k']} (measured cost {f['policy_cost_ms'] or 0:.0f} ms "
+          f"per checkpoint), k at the end {f['k']} (changes at iteration: {f['k_changes']})")
+    print(f"  overhead over the first {f['first_iterations']} iterations (profiling included): "
+          f"{f['overhead_first']:.2%}; after them: {rest}; whole run: {f['overhead']:.2%} "
+          f"(the engine's own estimate: {f['engine_estimate']:.2%})")
+    print(f"  {f['checkpoints']} checkpoints committed, median stall {f['stall_ms_median']:.1f} ms")
+
+
+def _print_adaptive(args: argparse.Namespace, fixed: dict, adaptive: dict) -> None:
+    print(f"adaptive: storage {args.slow_s:.1f} s slower per write in phase 2; {args.phase_iters} iterations a phase")
     print("  overhead over the whole phase / over its second half, and k at the end of the phase")
     print(f"  {'':<10} {'phase 1 (normal)':>24} {'phase 2 (slow)':>24} {'phase 3 (normal)':>24}")
     for name, result in (("fixed k", fixed), ("adaptive", adaptive)):
         cells = [f"{o:>6.1%} / {h:>6.1%} k={k:<4}" for o, h, k in
                  zip(result["overhead_per_phase"], result["overhead_second_half"], result["k_at_phase_end"])]
         print(f"  {name:<10} " + " ".join(f"{c:>24}" for c in cells))
+
+
+def _on_off(compress: bool | None) -> str:
+    return "undecided" if compress is None else ("on" if compress else "off")
 
 
 if __name__ == "__main__":

@@ -357,7 +357,7 @@ class CheckFreq:
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
             self._start_measuring("rcfz")
             return
-        codec = choose_codec({c: d for c, (_, d) in decisions.items()})
+        codec = choose_codec({c: d for c, (_, d) in decisions.items()}) if "raw" in decisions else measured.codec
         self._profiling = None
         self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
         self.store.write_metadata(PROFILE_NAME, {"profile": self.profile.to_json() if self.profile else None,
@@ -392,6 +392,11 @@ class CheckFreq:
         if result.step == self._last_checkpoint_iteration:
             self._measured_result = result
         self._stats.record_persist(result)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a checkpoint is being persisted right now."""
+        return self._persist.busy
 
     # ----------------------------------------------------------------- ending
     def flush(self) -> float:

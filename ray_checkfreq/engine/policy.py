@@ -215,12 +215,18 @@ def compression_could_pay(decision: Decision, size_bytes: int) -> bool:
     return size_bytes >= MIN_COMPRESSIBLE_BYTES and decision.k_persist > max(decision.k_min, decision.k_cost)
 
 
+COMPRESSION_MARGIN = 0.8
+
+
 def choose_codec(decisions: Mapping[str, Decision]) -> str:
-    """The codec whose measured checkpoint allows the smallest k (ties: lower expected
-    overhead, then "raw", which costs no CPU)."""
-    if not decisions:
-        raise ValueError("no measured codec to choose from")
-    return min(decisions, key=lambda c: (decisions[c].k, decisions[c].expected_overhead, c != "raw"))
+    """"rcfz" where its measured checkpoint allows a k at most ``COMPRESSION_MARGIN`` times
+    raw's (a clear gain, not timing noise); else "raw", which costs no CPU."""
+    if "raw" not in decisions:
+        raise ValueError(f"no raw measurement among {sorted(decisions)}")
+    rcfz = decisions.get("rcfz")
+    if rcfz is not None and rcfz.k <= COMPRESSION_MARGIN * decisions["raw"].k:
+        return "rcfz"
+    return "raw"
 
 
 def fixed_interval_codec(persist_s: Mapping[str, float], interval_s: float) -> str:
