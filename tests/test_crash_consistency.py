@@ -2,7 +2,8 @@
 
 After every kill: the newest checkpoint loads and equals exactly what was saved for
 its step, passes ``verify``, is at least as new as every save that had returned, and
-retention never left more than ``keep_last`` + a delta base + one committed checkpoints.
+retention never left more than ``keep_last`` + a delta base + one committed checkpoints,
+and the latest belongs to the newest writer generation (each restarted saver is a new writer).
 """
 
 from __future__ import annotations
@@ -82,5 +83,7 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
             assert _equal(expected_state(latest.step), store.load())
             # keep_last, plus the full base of kept deltas, plus one committed just before the kill
             assert len(store.list()) <= KEEP_LAST + 2
+            # every restarted saver is a new writer: the newest one's newest save is the latest
+            assert latest.writer_generation == max(ref.writer_generation for ref in store.list())
     assert returned > KILLS, "the saver made progress between kills"
     assert interrupted >= KILLS // 4, f"only {interrupted} kills landed inside a save"

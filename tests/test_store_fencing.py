@@ -222,19 +222,23 @@ def test_s3_commits_and_generations_are_conditional_puts_and_survive_a_lost_repl
 
 
 _RACER = """
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 from ray_checkfreq import CheckpointStore, FencedWriterError
 
 uri, first_step, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = CheckpointStore(uri, keep_last=2, shard_size_bytes=1 << 20, io_threads=2)
-while not __import__("os").path.exists(go):
+while not os.path.exists(go):
     time.sleep(0.01)
-saved, fenced = [], None
+saved, fenced, after_both = [], None, 0
 try:
-    for step in range(first_step, first_step + 25):
+    # Save until fenced, or until 25 saves went through after both writers took a generation.
+    for step in range(first_step, first_step + 10_000):
         state = {"w": np.full(600_000, step, dtype=np.float32), "step": step}
         saved.append([step, store.save(step, state, codec="raw").name])
+        after_both += len(os.listdir(os.path.join(uri, "writers"))) >= 2
+        if after_both >= 25:
+            break
 except FencedWriterError as err:
     fenced = [err.writer_generation, err.newer_generation]
 print(json.dumps({"generation": store.writer_generation, "saved": saved, "fenced": fenced}))
@@ -253,7 +257,7 @@ def test_two_processes_racing_saves_leave_the_newest_writers_newest_save_latest(
         assert racer.returncode == 0
         results.append(json.loads(out))
     loser, winner = sorted(results, key=lambda r: r["generation"])
-    assert winner["fenced"] is None and len(winner["saved"]) == 25
+    assert winner["fenced"] is None and len(winner["saved"]) >= 25
     assert loser["fenced"] == [loser["generation"], winner["generation"]]
     latest = CheckpointStore(uri).latest()
     assert latest.name == winner["saved"][-1][1] and latest.writer_generation == winner["generation"]
