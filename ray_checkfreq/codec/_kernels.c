@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- planar exponent split for floats with an 8-bit exponent (bfloat16, float32) ---- */
@@ -198,7 +199,7 @@ static Py_ssize_t e8_split16_simd(const uint16_t *w, Py_ssize_t count, uint32_t 
     __m128i lo = _mm_or_si128(sll8(_mm_and_si128(e, B8(1)), 7),                          \
                               sll8(_mm_and_si128(tt, B8(3)), 5));
 
-static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
+static Py_ssize_t e8_merge32_sse2(uint32_t *w, Py_ssize_t count, uint32_t off,
                                   const uint8_t *t, const uint8_t *k, const uint8_t *m1,
                                   const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
     const __m128i OFF = B8(off);
@@ -220,7 +221,7 @@ static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
     return i;
 }
 
-static Py_ssize_t e8_merge16_simd(uint16_t *w, Py_ssize_t count, uint32_t off,
+static Py_ssize_t e8_merge16_sse2(uint16_t *w, Py_ssize_t count, uint32_t off,
                                   const uint8_t *t, const uint8_t *k, const uint8_t *m1,
                                   const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
     (void)m1;
@@ -238,9 +239,124 @@ static Py_ssize_t e8_merge16_simd(uint16_t *w, Py_ssize_t count, uint32_t off,
 #else
 #define e8_split32_simd(...) ((Py_ssize_t)0)
 #define e8_split16_simd(...) ((Py_ssize_t)0)
-#define e8_merge32_simd(...) ((Py_ssize_t)0)
-#define e8_merge16_simd(...) ((Py_ssize_t)0)
+#define e8_merge32_sse2(...) ((Py_ssize_t)0)
+#define e8_merge16_sse2(...) ((Py_ssize_t)0)
 #endif
+
+/* AVX2 versions of the merge loops, 32 elements at a time, used when the CPU has AVX2
+ * (checked once at import). Byte shuffles and unpacks work within 128-bit halves, so
+ * the 2-bit and 4-bit fields are spread with a per-half shuffle and the interleaved
+ * output halves are put back in order with permute2x128. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_AVX2_DISPATCH 1
+#include <immintrin.h>
+static int use_avx2;
+#define AVX2 __attribute__((target("avx2")))
+#define W8(v) _mm256_set1_epi8((char)(v))
+
+AVX2 static inline __m256i srl8x(__m256i x, int n) {
+    return _mm256_and_si256(_mm256_srli_epi16(x, n), W8(0xFF >> n));
+}
+AVX2 static inline __m256i sll8x(__m256i x, int n) {
+    return _mm256_and_si256(_mm256_slli_epi16(x, n), W8((0xFF << n) & 0xFF));
+}
+
+AVX2 static inline __m256i expand2x(const uint8_t *src) { /* 8 bytes of 2-bit fields -> 32 */
+    int64_t v;
+    memcpy(&v, src, 8);
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                         4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi64x(v), idx);
+    const __m256i lo = _mm256_set1_epi32(0x40100401), hi = _mm256_set1_epi32((int)0x80200802u);
+    __m256i b0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, lo), lo), W8(1));
+    __m256i b1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, hi), hi), W8(2));
+    return _mm256_or_si256(b0, b1);
+}
+
+AVX2 static inline __m256i expand_nibblesx(const uint8_t *src) { /* 16 bytes -> 32 */
+    const __m256i idx = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+                                         8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14,
+                                         14, 15, 15);
+    __m256i x = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)src)), idx);
+    __m256i odd = _mm256_set1_epi16((short)0xFF00);
+    return _mm256_blendv_epi8(_mm256_and_si256(x, W8(15)), srl8x(x, 4), odd);
+}
+
+#define E8_UNFIELDSX(OFF)                                                                \
+    __m256i tt = _mm256_loadu_si256((const __m256i *)(t + i));                           \
+    __m256i r = _mm256_or_si256(expand_nibblesx(nib + i / 2), sll8x(expand2x(p + i / 4), 4)); \
+    __m256i e = _mm256_add_epi8(_mm256_or_si256(sll8x(expand2x(k + i / 4), 6), srl8x(tt, 2)), \
+                                OFF);                                                    \
+    __m256i hi = _mm256_or_si256(sll8x(_mm256_and_si256(r, W8(1)), 7), srl8x(e, 1));     \
+    __m256i lo = _mm256_or_si256(sll8x(_mm256_and_si256(e, W8(1)), 7),                   \
+                                 sll8x(_mm256_and_si256(tt, W8(3)), 5));
+
+AVX2 static Py_ssize_t e8_merge32_avx2(uint32_t *w, Py_ssize_t count, uint32_t off,
+                                       const uint8_t *t, const uint8_t *k, const uint8_t *m1,
+                                       const uint8_t *m2, const uint8_t *nib,
+                                       const uint8_t *p) {
+    const __m256i OFF = W8(off);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        E8_UNFIELDSX(OFF)
+        __m256i a = _mm256_loadu_si256((const __m256i *)(m1 + i));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(m2 + i));
+        __m256i b0 = _mm256_or_si256(sll8x(_mm256_and_si256(c, W8(7)), 5), srl8x(r, 1));
+        __m256i b1 = _mm256_or_si256(sll8x(_mm256_and_si256(a, W8(7)), 5), srl8x(c, 3));
+        __m256i b2 = _mm256_or_si256(lo, srl8x(a, 3));
+        __m256i l01 = _mm256_unpacklo_epi8(b0, b1), h01 = _mm256_unpackhi_epi8(b0, b1);
+        __m256i l23 = _mm256_unpacklo_epi8(b2, hi), h23 = _mm256_unpackhi_epi8(b2, hi);
+        /* each holds 4 elements of the low half, then the same 4 of the high half */
+        __m256i q0 = _mm256_unpacklo_epi16(l01, l23), q1 = _mm256_unpackhi_epi16(l01, l23);
+        __m256i q2 = _mm256_unpacklo_epi16(h01, h23), q3 = _mm256_unpackhi_epi16(h01, h23);
+        _mm256_storeu_si256((__m256i *)(w + i), _mm256_permute2x128_si256(q0, q1, 0x20));
+        _mm256_storeu_si256((__m256i *)(w + i + 8), _mm256_permute2x128_si256(q2, q3, 0x20));
+        _mm256_storeu_si256((__m256i *)(w + i + 16), _mm256_permute2x128_si256(q0, q1, 0x31));
+        _mm256_storeu_si256((__m256i *)(w + i + 24), _mm256_permute2x128_si256(q2, q3, 0x31));
+    }
+    return i;
+}
+
+AVX2 static Py_ssize_t e8_merge16_avx2(uint16_t *w, Py_ssize_t count, uint32_t off,
+                                       const uint8_t *t, const uint8_t *k, const uint8_t *nib,
+                                       const uint8_t *p) {
+    const __m256i OFF = W8(off);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        E8_UNFIELDSX(OFF)
+        __m256i b0 = _mm256_or_si256(lo, srl8x(r, 1));
+        __m256i q0 = _mm256_unpacklo_epi8(b0, hi), q1 = _mm256_unpackhi_epi8(b0, hi);
+        _mm256_storeu_si256((__m256i *)(w + i), _mm256_permute2x128_si256(q0, q1, 0x20));
+        _mm256_storeu_si256((__m256i *)(w + i + 16), _mm256_permute2x128_si256(q0, q1, 0x31));
+    }
+    return i;
+}
+#endif
+
+static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
+                                  const uint8_t *t, const uint8_t *k, const uint8_t *m1,
+                                  const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
+    Py_ssize_t done = 0;
+#ifdef HAVE_AVX2_DISPATCH
+    if (use_avx2)
+        done = e8_merge32_avx2(w, count, off, t, k, m1, m2, nib, p);
+#endif
+    return done + e8_merge32_sse2(w + done, count - done, off, t + done, k + done / 4,
+                                  m1 + done, m2 + done, nib + done / 2, p + done / 4);
+}
+
+static Py_ssize_t e8_merge16_simd(uint16_t *w, Py_ssize_t count, uint32_t off,
+                                  const uint8_t *t, const uint8_t *k, const uint8_t *m1,
+                                  const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
+    Py_ssize_t done = 0;
+#ifdef HAVE_AVX2_DISPATCH
+    if (use_avx2)
+        done = e8_merge16_avx2(w, count, off, t, k, nib, p);
+#endif
+    return done + e8_merge16_sse2(w + done, count - done, off, t + done, k + done / 4, m1,
+                                  m2, nib + done / 2, p + done / 4);
+}
 
 #define E8_SPLIT(NAME, OFFSET, WORD, BITS, MB)                                           \
     static void NAME##_chunk(const WORD *restrict w, Py_ssize_t count, uint32_t off,     \
@@ -571,4 +687,21 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernels", "Byte-layout kernels of the codec.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+#ifdef HAVE_AVX2_DISPATCH
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "avx2",
+#ifdef HAVE_AVX2_DISPATCH
+                                             use_avx2
+#else
+                                             0
+#endif
+                                             ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
