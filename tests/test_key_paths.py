@@ -138,3 +138,20 @@ def _plus(value, offset: float):
     if isinstance(value, list):
         return [_plus(v, offset) for v in value]
     return value
+
+
+def test_checkpoints_written_with_colliding_names_still_load(tmp_path, monkeypatch):
+    """Before names were unique, {0: x, "0": y} stored two tensors named "extra/0"; those
+    checkpoints (full and delta) must still load exactly."""
+    from ray_checkfreq.storage import tree
+
+    state = COLLIDING["int_and_str"]
+    store = CheckpointStore(str(tmp_path), codec="rcfz", full_every=4)
+    with monkeypatch.context() as patch:
+        patch.setattr(tree, "key_names", lambda keys, parent="": [str(k) for k in keys])
+        assert len(set(flatten_state({"extra": state}).key_paths)) == 1
+        store.save(1, {"extra": state})
+        store.save(2, {"extra": _plus(state, 100.0)})
+    reader = CheckpointStore(str(tmp_path))
+    assert_same_state({"extra": state}, reader.load(1))
+    assert_same_state({"extra": _plus(state, 100.0)}, reader.load(2))
