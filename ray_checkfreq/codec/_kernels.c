@@ -138,7 +138,7 @@ static inline void pack_nibbles(__m128i r, uint8_t *dst) { /* 16 bytes <= 15 -> 
     __m128i tt = _mm_or_si128(sll8(_mm_and_si128(e, B8(63)), 2),                         \
                               _mm_and_si128(srl8(lo, 5), B8(3)));
 
-static Py_ssize_t e8_split32_simd(const uint32_t *w, Py_ssize_t count, uint32_t off,
+static Py_ssize_t e8_split32_sse2(const uint32_t *w, Py_ssize_t count, uint32_t off,
                                   uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
                                   uint8_t *nib, uint8_t *p) {
     const __m128i OFF = B8(off), FF = _mm_set1_epi32(0xFF);
@@ -167,7 +167,7 @@ static Py_ssize_t e8_split32_simd(const uint32_t *w, Py_ssize_t count, uint32_t 
     return i;
 }
 
-static Py_ssize_t e8_split16_simd(const uint16_t *w, Py_ssize_t count, uint32_t off,
+static Py_ssize_t e8_split16_sse2(const uint16_t *w, Py_ssize_t count, uint32_t off,
                                   uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
                                   uint8_t *nib, uint8_t *p) {
     (void)m1;
@@ -237,8 +237,8 @@ static Py_ssize_t e8_merge16_sse2(uint16_t *w, Py_ssize_t count, uint32_t off,
     return i;
 }
 #else
-#define e8_split32_simd(...) ((Py_ssize_t)0)
-#define e8_split16_simd(...) ((Py_ssize_t)0)
+#define e8_split32_sse2(...) ((Py_ssize_t)0)
+#define e8_split16_sse2(...) ((Py_ssize_t)0)
 #define e8_merge32_sse2(...) ((Py_ssize_t)0)
 #define e8_merge16_sse2(...) ((Py_ssize_t)0)
 #endif
@@ -332,7 +332,109 @@ AVX2 static Py_ssize_t e8_merge16_avx2(uint16_t *w, Py_ssize_t count, uint32_t o
     }
     return i;
 }
+
+AVX2 static inline void pack2x(__m256i x, uint8_t *dst) { /* 32 bytes <= 3 -> 8 bytes */
+    __m256i z = _mm256_or_si256(x, _mm256_srli_epi32(x, 6));
+    z = _mm256_or_si256(z, _mm256_srli_epi32(z, 12));
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                                               -1, -1, -1, -1, -1, -1, -1, -1);
+    z = _mm256_shuffle_epi8(z, low_bytes);
+    uint32_t a = (uint32_t)_mm256_extract_epi32(z, 0), b = (uint32_t)_mm256_extract_epi32(z, 4);
+    memcpy(dst, &a, 4);
+    memcpy(dst + 4, &b, 4);
+}
+
+AVX2 static inline void pack_nibblesx(__m256i r, uint8_t *dst) { /* 32 nibbles -> 16 bytes */
+    __m256i x = _mm256_and_si256(_mm256_or_si256(r, _mm256_srli_epi16(r, 4)),
+                                 _mm256_set1_epi16(0xFF));
+    x = _mm256_permute4x64_epi64(_mm256_packus_epi16(x, x), 0xD8);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(x));
+}
+
+/* The fields shared by both widths, from `hi` = s e7..e1 and `lo` = e0 m_top.. bytes. */
+#define E8_FIELDSX(hi, lo, OFF)                                                          \
+    __m256i e = _mm256_sub_epi8(_mm256_or_si256(sll8x(hi, 1), srl8x(lo, 7)), OFF);       \
+    __m256i tt = _mm256_or_si256(sll8x(_mm256_and_si256(e, W8(63)), 2),                  \
+                                 _mm256_and_si256(srl8x(lo, 5), W8(3)));
+
+AVX2 static Py_ssize_t e8_split32_avx2(const uint32_t *w, Py_ssize_t count, uint32_t off,
+                                       uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
+                                       uint8_t *nib, uint8_t *p) {
+    const __m256i OFF = W8(off), FF = _mm256_set1_epi32(0xFF);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        __m256i v[4], b[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_loadu_si256((const __m256i *)(w + i + 8 * j));
+        for (int s = 0; s < 4; s++) {
+            __m256i q[4];
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm256_and_si256(_mm256_srli_epi32(v[j], 8 * s), FF);
+            __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                 _mm256_packs_epi32(q[2], q[3]));
+            b[s] = _mm256_permutevar8x32_epi32(packed, order);
+        }
+        E8_FIELDSX(b[3], b[2], OFF)
+        __m256i r = _mm256_or_si256(sll8x(_mm256_and_si256(b[0], W8(31)), 1), srl8x(b[3], 7));
+        _mm256_storeu_si256((__m256i *)(t + i), tt);
+        _mm256_storeu_si256((__m256i *)(m1 + i), _mm256_or_si256(
+            sll8x(_mm256_and_si256(b[2], W8(31)), 3), srl8x(b[1], 5)));
+        _mm256_storeu_si256((__m256i *)(m2 + i), _mm256_or_si256(
+            sll8x(_mm256_and_si256(b[1], W8(31)), 3), srl8x(b[0], 5)));
+        pack2x(srl8x(e, 6), k + i / 4);
+        pack2x(srl8x(r, 4), p + i / 4);
+        pack_nibblesx(_mm256_and_si256(r, W8(15)), nib + i / 2);
+    }
+    return i;
+}
+
+AVX2 static Py_ssize_t e8_split16_avx2(const uint16_t *w, Py_ssize_t count, uint32_t off,
+                                       uint8_t *t, uint8_t *k, uint8_t *nib, uint8_t *p) {
+    const __m256i OFF = W8(off), FF = _mm256_set1_epi16(0xFF);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + i));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + i + 16));
+        __m256i lo = _mm256_permute4x64_epi64(
+            _mm256_packus_epi16(_mm256_and_si256(v0, FF), _mm256_and_si256(v1, FF)), 0xD8);
+        __m256i hi = _mm256_permute4x64_epi64(
+            _mm256_packus_epi16(_mm256_srli_epi16(v0, 8), _mm256_srli_epi16(v1, 8)), 0xD8);
+        E8_FIELDSX(hi, lo, OFF)
+        __m256i r = _mm256_or_si256(sll8x(_mm256_and_si256(lo, W8(31)), 1), srl8x(hi, 7));
+        _mm256_storeu_si256((__m256i *)(t + i), tt);
+        pack2x(srl8x(e, 6), k + i / 4);
+        pack2x(srl8x(r, 4), p + i / 4);
+        pack_nibblesx(_mm256_and_si256(r, W8(15)), nib + i / 2);
+    }
+    return i;
+}
 #endif
+
+static Py_ssize_t e8_split32_simd(const uint32_t *w, Py_ssize_t count, uint32_t off,
+                                  uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
+                                  uint8_t *nib, uint8_t *p) {
+    Py_ssize_t done = 0;
+#ifdef HAVE_AVX2_DISPATCH
+    if (use_avx2)
+        done = e8_split32_avx2(w, count, off, t, k, m1, m2, nib, p);
+#endif
+    return done + e8_split32_sse2(w + done, count - done, off, t + done, k + done / 4,
+                                  m1 + done, m2 + done, nib + done / 2, p + done / 4);
+}
+
+static Py_ssize_t e8_split16_simd(const uint16_t *w, Py_ssize_t count, uint32_t off,
+                                  uint8_t *t, uint8_t *k, uint8_t *m1, uint8_t *m2,
+                                  uint8_t *nib, uint8_t *p) {
+    Py_ssize_t done = 0;
+#ifdef HAVE_AVX2_DISPATCH
+    if (use_avx2)
+        done = e8_split16_avx2(w, count, off, t, k, nib, p);
+#endif
+    return done + e8_split16_sse2(w + done, count - done, off, t + done, k + done / 4, m1,
+                                  m2, nib + done / 2, p + done / 4);
+}
 
 static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
                                   const uint8_t *t, const uint8_t *k, const uint8_t *m1,
