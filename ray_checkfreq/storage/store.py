@@ -269,11 +269,16 @@ class CheckpointStore:
         return self._generation
 
     def _check_fence(self, entries: builtins.list[_Entry] | None = None) -> None:
-        """Raise FencedWriterError if a newer writer has taken this URI."""
+        """Raise FencedWriterError if a newer writer has taken this URI.
+
+        With ``entries`` (a scan made anyway) it looks only at their directory names: a
+        cheap early check; the one right before the commit reads the markers.
+        """
         assert self._generation is not None
-        newest = fencing.newest_marker(self.backend)
-        if entries:
-            newest = max(newest, *(e.generation for e in entries))
+        if entries is None:
+            newest = fencing.newest_marker(self.backend)
+        else:
+            newest = max((e.generation for e in entries), default=0)
         if newest > self._generation:
             raise FencedWriterError(self.uri, self._generation, newest)
 
