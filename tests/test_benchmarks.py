@@ -31,11 +31,18 @@ def test_bench_stall(tmp_path):
 
 def test_bench_overhead(tmp_path):
     out = tmp_path / "overhead.json"
-    assert main(["bench", "overhead", "--iterations", "80", "--phase-iters", "60", "--width", "64",
-                 "--slow-s", "0.05", "--epoch-len", "200", "--json", str(out)]) == 0
+    assert main(["bench", "overhead", "--iterations", "40", "--first", "20", "--every-iters", "6", "--every", "3", "--epoch-len", "200",
+                 "--phase-iters", "12", "--width", "64", "--block", "10", "--slow-s", "0.02",
+                 "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert figures["overhead"]["checkpoints"] >= 1
+    assert figures["first"]["checkpoints"] >= 1 and figures["first"]["first_iterations"] >= 30
+    assert figures["every"]["checkpoints"] >= 1 and "overhead_torch_save" in figures["every"]
     assert len(figures["adaptive"]["overhead_per_phase"]) == 3
+
+
+def test_bench_overhead_names_a_bad_part(capsys):
+    assert main(["bench", "overhead", "--parts", "firts"]) != 0
+    assert "--parts 'firts'" in capsys.readouterr().err
 
 
 def test_bench_codec_on_a_given_file(tmp_path):

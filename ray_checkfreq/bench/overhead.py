@@ -273,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if "adaptive" in parts:
         figures["adaptive"] = part_adaptive(args, root, every=None)
         # the fixed k is the one the adaptive run had settled on under normal storage
-        figures["fixed"] = part_adaptive(args, root, every=figures["adaptive"]["k_at_phase_end"][0])
+        settled = figures["adaptive"]["k_at_phase_end"][0] or args.every  # None: still profiling (short runs)
+        figures["fixed"] = part_adaptive(args, root, every=settled)
     _print(args, figures)
     if args.json:
         with open(args.json, "w") as f:
@@ -311,7 +312,7 @@ def _print_adaptive(args: argparse.Namespace, fixed: dict, adaptive: dict) -> No
     print("  overhead over the whole phase / over its second half, and k at the end of the phase")
     print(f"  {'':<10} {'phase 1 (normal)':>24} {'phase 2 (slow)':>24} {'phase 3 (normal)':>24}")
     for name, result in (("fixed k", fixed), ("adaptive", adaptive)):
-        cells = [f"{o:>6.1%} / {h:>6.1%} k={k:<4}" for o, h, k in
+        cells = [f"{o:>6.1%} / {h:>6.1%} k={k!s:<4}" for o, h, k in
                  zip(result["overhead_per_phase"], result["overhead_second_half"], result["k_at_phase_end"])]
         print(f"  {name:<10} " + " ".join(f"{c:>24}" for c in cells))
 
