@@ -31,7 +31,8 @@ def test_bench_stall(tmp_path):
 
 def test_bench_overhead(tmp_path):
     out = tmp_path / "overhead.json"
-    assert main(["bench", "overhead", "--iterations", "40", "--first", "20", "--every-iters", "6", "--every", "3", "--epoch-len", "200",
+    assert main(["bench", "overhead", "--iterations", "40", "--first", "20", "--epoch-len", "200",
+                 "--every-iters", "6", "--every", "3",
                  "--phase-iters", "12", "--width", "64", "--block", "10", "--slow-s", "0.02",
                  "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
