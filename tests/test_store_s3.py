@@ -138,3 +138,18 @@ def test_pyarrow_s3_filesystem_reads_and_writes_the_same_format(s3_server, s3_bu
     assert via_arrow.latest().step == 2
     assert_same_state(_state(2), via_arrow.load())
     assert not [k for k in _objects(s3_server, s3_bucket) if k.endswith(".tmp")]
+
+
+def test_a_save_lists_the_prefix_a_fixed_number_of_times_however_many_checkpoints_are_kept(s3_server, s3_bucket):
+    with FaultProxy(urlparse(s3_server).port) as proxy:
+        store = CheckpointStore(f"s3://{s3_bucket}/lists", keep_last=6, s3=S3Options(endpoint_url=proxy.url))
+        for step in range(7):
+            store.save(step, _state(step))
+        before = len(proxy.requests)
+        store.save(7, _state(7))
+        requests = proxy.requests[before:]
+    lists = [path for method, path in requests if method == "GET" and "list-type=2" in path]
+    manifest_reads = [path for method, path in requests if "manifest.json" in path and method in ("GET", "HEAD")]
+    # a scan before and after the commit, the writer markers, the new directory, one delete
+    assert len(lists) <= 5, lists
+    assert len(manifest_reads) == 8  # retention: one GET per committed manifest (7 kept + the new one), no HEAD

@@ -431,11 +431,11 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listing
     def _scan(self, read_manifests: bool = True) -> builtins.list[_Entry]:
         entries = []
-        for name in self.backend.list_dirs():
+        for name, files in self.backend.list_tree().items():
             match = CHECKPOINT_DIR.match(name)
             if match:
                 entry = _Entry(name=name, step=int(match["step"]), generation=int(match["generation"] or 0),
-                               files=self.backend.list_files(name))
+                               files=files)
                 if read_manifests and entry.committed:
                     self._read_manifest_into(entry)
                 entries.append(entry)
@@ -444,7 +444,7 @@ class CheckpointStore:
     def _read_manifest_into(self, entry: _Entry) -> None:
         location = self.backend.uri(f"{entry.name}/{MANIFEST_NAME}")
         try:
-            entry.manifest = decode_manifest(bytes(self.backend.read(f"{entry.name}/{MANIFEST_NAME}")))
+            entry.manifest = decode_manifest(self.backend.read_small(f"{entry.name}/{MANIFEST_NAME}"))
             if entry.manifest.step != entry.step:
                 raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
             if entry.manifest.writer_generation != entry.generation:
@@ -607,7 +607,7 @@ class CheckpointStore:
     def _load_manifest(self, ref: CheckpointRef) -> Manifest:
         location = self._manifest_uri(ref)
         try:
-            return decode_manifest(bytes(self.backend.read(f"{ref.name}/{MANIFEST_NAME}")))
+            return decode_manifest(self.backend.read_small(f"{ref.name}/{MANIFEST_NAME}"))
         except FileNotFoundError:
             raise CorruptCheckpointError(location, "manifest is missing") from None
         except ManifestError as err:
@@ -665,7 +665,7 @@ class CheckpointStore:
         import json
 
         try:
-            data = json.loads(bytes(self.backend.read(name)).decode("utf-8"))
+            data = json.loads(self.backend.read_small(name).decode("utf-8"))
         except FileNotFoundError:
             return None
         except (UnicodeDecodeError, json.JSONDecodeError) as err:

@@ -27,6 +27,10 @@ class Backend(ABC):
     def list_files(self, rel_dir: str) -> dict[str, int]:
         """``{name: size_bytes}`` of the files directly in ``rel_dir`` ({} if none)."""
 
+    def list_tree(self) -> dict[str, dict[str, int]]:
+        """``{dir: {name: size_bytes}}`` for every directory directly under the root."""
+        return {name: self.list_files(name) for name in self.list_dirs()}
+
     @abstractmethod
     def make_dir(self, rel_dir: str) -> None:
         """Create ``rel_dir`` (durably where directories exist)."""
@@ -66,6 +70,10 @@ class Backend(ABC):
     @abstractmethod
     def read(self, rel_path: str) -> Any:
         """The whole file, in a writable buffer (see ``uninitialized_buffer``)."""
+
+    def read_small(self, rel_path: str) -> bytes:
+        """A small file (a manifest) whole; backends may save round trips here."""
+        return bytes(self.read(rel_path))
 
     @abstractmethod
     def delete_dir(self, rel_dir: str) -> None:

@@ -124,6 +124,18 @@ class S3Backend(Backend):
                     files[obj["Key"][len(prefix):]] = obj["Size"]
         return files
 
+    def list_tree(self) -> dict[str, dict[str, int]]:
+        """One listing of the whole prefix instead of one per directory."""
+        prefix = self._dir_prefix("")
+        tree: dict[str, dict[str, int]] = {}
+        with _translated(self.root_uri, "list"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    parts = obj["Key"][len(prefix):].split("/")
+                    if len(parts) == 2 and parts[0] and parts[1]:
+                        tree.setdefault(parts[0], {})[parts[1]] = obj["Size"]
+        return tree
+
     def make_dir(self, rel_dir: str) -> None:
         """S3 has no directories; check the bucket is reachable before any upload."""
         with _translated(f"s3://{self.bucket}", "access bucket"):
@@ -181,6 +193,11 @@ class S3Backend(Backend):
             if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
+
+    def read_small(self, rel_path: str) -> bytes:
+        """One GetObject (``read`` spends a HEAD and a ranged transfer on it)."""
+        with _translated(self.uri(rel_path), "read"):
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(rel_path))["Body"].read()
 
     def exists(self, rel_path: str) -> bool:
         try:
