@@ -122,7 +122,7 @@ class Snapshotter:
         _check_mode(mode)
         self.mode = mode
         self.ops: DeviceOps = ops if ops is not None else CudaOps()
-        self._buffers: dict[KeyPath, torch.Tensor] = {}
+        self._buffers: dict[KeyPath, tuple[torch.Tensor, Any]] = {}  # (buffer, its device or None)
         self._host_buffers: dict[KeyPath, torch.Tensor] = {}
         self._host = HostCopier()
 
@@ -163,11 +163,12 @@ class Snapshotter:
     def buffer(self, path: KeyPath, like: torch.Tensor, device: Any | None) -> torch.Tensor:
         """The snapshot buffer of ``path``: on ``device``, or on the host (pinned if ``device``)."""
         where = device if self.mode == "gpu" else None
-        buffer = self._buffers.get(path)
-        if buffer is None or not _fits(buffer, like, where, self.ops):
-            buffer = self.ops.empty_device(like, where) if where is not None else (
-                self.ops.empty_host(like, pinned=device is not None))
-            self._buffers[path] = buffer
+        found = self._buffers.get(path)
+        if found is not None and found[1] == where and found[0].shape == like.shape and found[0].dtype == like.dtype:
+            return found[0]
+        buffer = self.ops.empty_device(like, where) if where is not None else (
+            self.ops.empty_host(like, pinned=device is not None))
+        self._buffers[path] = (buffer, where)
         return buffer
 
     def host_buffer(self, path: KeyPath, like: torch.Tensor) -> torch.Tensor:
@@ -187,10 +188,6 @@ class Snapshotter:
 def _check_mode(mode: str) -> None:
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"mode={mode!r}: expected 'cpu' or 'gpu'")
-
-
-def _fits(buffer: torch.Tensor, like: torch.Tensor, where: Any | None, ops: DeviceOps) -> bool:
-    return buffer.shape == like.shape and buffer.dtype == like.dtype and ops.device_of(buffer) == where
 
 
 class _SnapshotCopier(StateVisitor[Any]):

@@ -55,7 +55,7 @@ class StateVisitor(Generic[T]):
     """What ``walk_state`` builds: one method per kind of node, children visited first."""
 
     def leaf(self, path: KeyPath, name: str, value: Any) -> T:
-        """A tensor (detached), numpy array or numpy scalar."""
+        """A (dense) tensor, numpy array or numpy scalar."""
         raise NotImplementedError
 
     def scalar(self, path: KeyPath, name: str, value: Any) -> T:
@@ -114,6 +114,8 @@ def _visit_mapping(value: Mapping, path: KeyPath, name: str, visitor: StateVisit
 
 def key_names(keys: list, parent: str = "") -> list[str]:
     """The name part of each key of one mapping: distinct for distinct keys."""
+    if all(type(k) is str for k in keys):  # the common case, on every snapshot's path
+        return [_escape(k, lookalike=False) if "%" in k or "/" in k else k for k in keys]
     plain = [_checked_key(k, parent) for k in keys]
     taken = {p for k, p in zip(keys, plain) if not isinstance(k, str)}
     return [_escape(k, lookalike=k in taken) if isinstance(k, str) else p for k, p in zip(keys, plain)]
@@ -163,13 +165,13 @@ def format_key_path(path: KeyPath) -> str:
 
 def _checked_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
     where = _shown(name)
-    if tensor.layout != torch.strided:
+    if tensor.layout is not torch.strided:
         raise UnsupportedStateError(where, f"tensor layout {tensor.layout} is not supported (only dense)")
     if tensor.is_quantized:
         raise UnsupportedStateError(where, "quantized tensors are not supported")
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise UnsupportedStateError(where, "tensor on the meta device has no data")
-    return tensor.detach()
+    return tensor
 
 
 _NUMPY_KINDS = frozenset("biufc")
@@ -239,7 +241,7 @@ class _SkeletonEncoder(StateVisitor[Any]):
     def leaf(self, path: KeyPath, name: str, value: Any) -> Any:
         tag = "tensor" if isinstance(value, torch.Tensor) else (
             "ndarray" if isinstance(value, np.ndarray) else "npscalar")
-        self.leaves.append(np.asarray(value) if tag == "npscalar" else value)
+        self.leaves.append(value.detach() if tag == "tensor" else np.asarray(value) if tag == "npscalar" else value)
         self.names.append(_shown(name))
         self.paths.append(path)
         return {tag: len(self.leaves) - 1}
