@@ -103,6 +103,25 @@ def test_checkfreq_never_mixes_colliding_keys(tmp_path, case):
     cf.close()
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=tricky_states())
+def test_checkfreq_checkpoints_of_tricky_keys_are_exact(tmp_path_factory, state):
+    holder = _Holder(state)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = CheckpointStore(str(tmp_path_factory.mktemp("cf")), codec="rcfz", full_every=3)
+    with CheckFreq(model=model, optimizer=opt, storage=store, every=1, extra_state={"holder": holder}) as cf:
+        cf.restore()
+        for offset in (0.0, 100.0):
+            holder.state = _plus(state, offset)
+            opt.step()
+            cf.step()
+    loaded = [store.load(ref)["extra"]["holder"] for ref in store.list()]
+    assert len(loaded) == 2
+    assert_same_state(state, loaded[0])
+    assert_same_state(_plus(state, 100.0), loaded[1])
+
+
 @pytest.mark.parametrize("case", sorted(COLLIDING))
 def test_safetensors_export_keeps_every_leaf(tmp_path, case):
     from safetensors.torch import load_file
