@@ -335,7 +335,7 @@ class CheckFreq:
             if self._quiet_done:
                 self._start_measuring(self._codec_trial.decided or "raw")
             elif self.config.checkpoint_epoch_end and self._is_epoch_end():
-                self._checkpoint(True, codec="raw")
+                self._checkpoint(True, codec=self._codec_trial.decided or "raw")
             return
         if not self._measure_done:
             if self.config.checkpoint_epoch_end and self._is_epoch_end():
@@ -348,6 +348,10 @@ class CheckFreq:
             assert codec is not None
             self._start_measuring(codec)
             return
+        self._finish_measuring(profiling, result)
+
+    def _finish_measuring(self, profiling: ProfilingWindow, result: PersistResult) -> None:
+        """Decide from what was measured, or measure the compressed codec first."""
         measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
         self._stats.profiling_s += measured.interference_s
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
@@ -360,7 +364,7 @@ class CheckFreq:
         codec = choose_codec({c: d for c, (_, d) in decisions.items()}) if "raw" in decisions else measured.codec
         self._profiling = None
         self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
-        self.store.write_metadata(PROFILE_NAME, {"profile": self.profile.to_json() if self.profile else None,
+        self.store.write_metadata(PROFILE_NAME, {"profile": decisions[codec][0].to_json(),
                                                  "decision": vars(self.decision), "fingerprint": self._fingerprint()})
 
     def _start_measuring(self, codec: str) -> None:

@@ -7,7 +7,6 @@ same leaf of an earlier full checkpoint.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from ray_checkfreq import codec
 from ray_checkfreq.storage.arrays import LeafSpec, leaf_bytes, leaf_from_buffer, leaf_spec
+from ray_checkfreq.storage.checksum import crc32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,7 @@ class EncodedLeaf:
 
 def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None) -> EncodedLeaf:
     raw = leaf_bytes(leaf)
-    raw_crc = zlib.crc32(raw)
+    raw_crc = crc32(raw)
     if options.codec == "raw":
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
     if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
@@ -50,7 +50,7 @@ def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None) -> EncodedL
         blob = codec.encode(leaf, base=usable_base, level=options.level, threads=options.threads)
     except codec.CodecError:  # a dtype the codec does not group: store it as it is
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
-    return EncodedLeaf(data=blob, codec="rcfz", raw_crc32=raw_crc, stored_crc32=zlib.crc32(blob),
+    return EncodedLeaf(data=blob, codec="rcfz", raw_crc32=raw_crc, stored_crc32=crc32(blob),
                        delta=usable_base is not None)
 
 
@@ -68,6 +68,7 @@ def decode_leaf(spec: LeafSpec, codec_name: str, buffer: Any, offset: int, lengt
     if codec_name == "raw":
         return leaf_from_buffer(spec, buffer, offset)
     blob = memoryview(buffer)[offset:offset + length]
+    leaf: Any
     try:
         if spec.kind == "torch":
             leaf = codec.decode(blob, base=base, threads=threads)
@@ -77,7 +78,7 @@ def decode_leaf(spec: LeafSpec, codec_name: str, buffer: Any, offset: int, lengt
         raise LeafDecodeError(str(err)) from None
     if leaf_spec(leaf) != spec:
         raise LeafDecodeError(f"decoded {leaf_spec(leaf)} where the manifest says {spec}")
-    if zlib.crc32(leaf_bytes(leaf)) != raw_crc32:
+    if crc32(leaf_bytes(leaf)) != raw_crc32:
         raise LeafDecodeError("decoded bytes do not match raw_crc32")
     return leaf
 
