@@ -176,6 +176,11 @@ def test_a_cpu_snapshot_copies_device_leaves_once_into_pinned_buffers():
     assert [ops.to_host[_storage(leaf)] for leaf in async_leaves] == [1, 1, 1]
     assert {_storage(leaf) for leaf in async_leaves} <= ops.pinned
     assert _storage(snapshot.state["buffers"]["host"]) not in ops.pinned
+    again = snapshotter.take(2, _two_device_state(ops, 10.0), ASYNC)
+    again.copies.wait()
+    assert [_storage(leaf) for _, _, leaf in leaves_of(again.state)] == [
+        _storage(leaf) for _, _, leaf in leaves_of(snapshot.state)], "buffers are reused"
+    assert_same_state(_two_device_state(FakeOps(), 10.0), again.state)
     snapshotter.close()
 
 

@@ -122,7 +122,7 @@ class Snapshotter:
         _check_mode(mode)
         self.mode = mode
         self.ops: DeviceOps = ops if ops is not None else CudaOps()
-        self._buffers: dict[KeyPath, tuple[torch.Tensor, Any]] = {}  # (buffer, its device or None)
+        self._buffers: dict[KeyPath, tuple[torch.Tensor, Any]] = {}  # (buffer, where it lives)
         self._host_buffers: dict[KeyPath, torch.Tensor] = {}
         self._host = HostCopier()
 
@@ -162,12 +162,13 @@ class Snapshotter:
 
     def buffer(self, path: KeyPath, like: torch.Tensor, device: Any | None) -> torch.Tensor:
         """The snapshot buffer of ``path``: on ``device``, or on the host (pinned if ``device``)."""
-        where = device if self.mode == "gpu" else None
+        on_device = device is not None and self.mode == "gpu"
+        where = ("device", device) if on_device else ("host", device is not None)  # host: pinned or not
         found = self._buffers.get(path)
         if found is not None and found[1] == where and found[0].shape == like.shape and found[0].dtype == like.dtype:
             return found[0]
-        buffer = self.ops.empty_device(like, where) if where is not None else (
-            self.ops.empty_host(like, pinned=device is not None))
+        pinned = device is not None
+        buffer = self.ops.empty_device(like, device) if on_device else self.ops.empty_host(like, pinned=pinned)
         self._buffers[path] = (buffer, where)
         return buffer
 
