@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
+import subprocess
+import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -181,3 +185,53 @@ def test_headers_naming_a_layout_that_cannot_fit_are_refused():
     for bad in bad_headers:
         with pytest.raises(codec.CorruptBlobError):
             codec.decode(blobfmt.pack(bad) + blob[start:])
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 700), seed=st.integers(0, 2**31), start=st.integers(0, 2**32 - 1),
+       misalign=st.integers(0, 15))
+def test_kernel_crc32_equals_zlib(n, seed, start, misalign):
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    holder = np.zeros(n + misalign, np.uint8)
+    holder[misalign:] = np.frombuffer(data, np.uint8)
+    view = holder[misalign:]
+    assert layout.crc32(view, start) == zlib.crc32(data, start)
+    assert layout.crc32(data) == zlib.crc32(data)
+
+
+def test_kernel_crc32_equals_zlib_on_large_buffers():
+    data = np.random.default_rng(3).integers(0, 256, (1 << 20) + 77, dtype=np.uint8)
+    for size in (64, 65, 127, 128, 1000, 4096 + 15, data.size):
+        assert layout.crc32(data[:size]) == zlib.crc32(data[:size].tobytes())
+
+
+SSE2_CHECK = """
+import zlib, numpy as np
+from ray_checkfreq.codec import _kernels, layout, planar
+assert (_kernels.avx2, _kernels.clmul) == (0, 0)
+rng = np.random.default_rng(5)
+for width in (2, 4):
+    for n in (1, 15, 16, 33, 100, 2047, 2048, 5001):
+        for kind in ("random", "normal"):
+            data = (rng.integers(0, 256, n * width, dtype=np.uint8) if kind == "random" else
+                    (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> (16 if width == 2 else 0))
+                    .astype(np.uint16 if width == 2 else np.uint32).view(np.uint8))
+            reference = [bytes(s) for s in planar.split(data, width)]
+            lay = layout.Layout(kind="e8", unit=width)
+            assert [bytes(s) for s in lay.split(data)] == reference, (width, n, kind)
+            out = np.empty_like(data)
+            lay.merge(reference, out)
+            assert np.array_equal(out, data), (width, n, kind)
+blob = rng.integers(0, 256, 100_003, dtype=np.uint8)
+assert _kernels.crc32(blob, 7) == zlib.crc32(blob.tobytes(), 7)
+print("ok")
+"""
+
+
+def test_sse2_kernels_without_avx2_equal_the_numpy_definition():
+    # The AVX2 and carry-less multiply paths are chosen at import; this checks the SSE2 and
+    # table paths that CPUs without them run.
+    env = dict(os.environ, RAY_CHECKFREQ_CODEC_NO_AVX2="1")
+    done = subprocess.run([sys.executable, "-c", SSE2_CHECK], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,6 +269,6 @@ def verify(blob: bytes | bytearray | memoryview) -> None:
     _plan_from_header(header, dtypes.from_name(header.dtype))
     view, pos = memoryview(blob).cast("B"), start
     for i, entry in enumerate(header.frames):
-        if zlib.crc32(view[pos:pos + entry.stored_len]) != entry.stored_crc:
+        if layout.crc32(view[pos:pos + entry.stored_len]) != entry.stored_crc:
             raise CorruptBlobError(f"codec blob frame {i} is corrupted (stored checksum mismatch)")
         pos += entry.stored_len

@@ -1,4 +1,4 @@
-"""One shared thread pool; zstd, zlib.crc32 and numpy copies release the GIL."""
+"""One shared thread pool; zstd, the C kernels, crc32 and numpy copies release the GIL."""
 
 from __future__ import annotations
 
