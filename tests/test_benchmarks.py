@@ -52,5 +52,26 @@ def test_bench_codec_on_a_given_file(tmp_path):
     source = tmp_path / "tiny.safetensors"
     save_file({"a": torch.randn(64, 64), "b": torch.randn(300)}, str(source))
     out = tmp_path / "codec.json"
-    assert main(["bench", "codec", "--input", str(source), "--repeats", "1", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())
+    assert main(["bench", "codec", "--input", str(source), "--repeats", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    ours = [r for r in figures["rows"] if r["method"] == "ours"]
+    assert ours and all(r["bit_identical"] and r["input_unchanged"] for r in ours)
+    assert all(len(r["decode_s"]) == 2 and set(r["decode_gbps"]) == {"best", "min", "median", "max"}
+               for r in figures["rows"])
+    if any(r["method"].startswith("zipnn") for r in figures["rows"]):
+        assert {p["baseline"] for p in figures["paired_speedups"]} == {"zipnn-0.5.4", "zipnn/tensor"}
+
+
+def test_bench_codec_interleaves_the_methods_round_by_round():
+    from ray_checkfreq.bench import codec as bench_codec
+
+    calls = []
+
+    def method(name):
+        return (lambda x: x, lambda x: calls.append(name) or x.numpy().tobytes(),
+                lambda blob, x: blob)
+
+    rows = bench_codec.time_interleaved([("ours", method("ours")), ("zipnn", method("zipnn"))],
+                                        torch.arange(10, dtype=torch.float32), 1, 3)
+    assert calls == ["ours", "zipnn"] * 3
+    assert all(r["bit_identical"] and len(r["encode_s"]) == 3 for r in rows)

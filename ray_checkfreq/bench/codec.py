@@ -132,17 +132,10 @@ def _pieces(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def ours_per_tensor(threads: int) -> Method:
-    def decode(blobs: list[bytes], x: torch.Tensor) -> np.ndarray:
-        out = np.empty(x.numel() * x.element_size(), np.uint8)
-        pos = 0
-        for blob in blobs:
-            n = codec.blob_info(blob)["raw_bytes"]
-            codec.decode_into(blob, out[pos:pos + n], threads=threads)
-            pos += n
-        return out
-
+    """Each tensor on its own, as the checkpoint store calls the codec; decode returns
+    the list of tensors (joined for the check, outside the timing)."""
     return (_as_is, lambda x: [codec.encode(p, threads=threads) for p in _pieces(x)],
-            decode)
+            lambda blobs, x: [codec.decode(b, threads=threads) for b in blobs])
 
 
 ZIPNN_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -188,8 +181,8 @@ def zipnn_per_tensor(threads: int) -> Method | None:
     def encode(fed: list) -> list:
         return [enc_one(one) for one in fed]
 
-    def decode(blobs: list, x: torch.Tensor) -> bytes:
-        return b"".join(bytes(dec_one(b, x)) for b in blobs)
+    def decode(blobs: list, x: torch.Tensor) -> list:
+        return [dec_one(b, x) for b in blobs]
 
     return prepare, encode, decode
 
@@ -212,6 +205,8 @@ def _stored_size(blob) -> int:
 
 
 def _out_bytes(out) -> bytes:
+    if isinstance(out, list):
+        return b"".join(_out_bytes(one) for one in out)
     return raw_bytes(out) if isinstance(out, torch.Tensor) else bytes(memoryview(out).cast("B"))
 
 
@@ -221,19 +216,22 @@ def time_interleaved(methods: list[tuple[str, Method]], x: torch.Tensor, threads
     rounds, so that load from the rest of the machine falls on all of them alike."""
     reference = raw_bytes(x)  # the copy taken before encoding
     rows: dict[str, dict[str, Any]] = {name: {"method": name, "threads": threads, "encode_s": [], "decode_s": [],
+                   "encode_cpu_s": [], "decode_cpu_s": [],
                    "bit_identical": True, "input_unchanged": True} for name, _ in methods}
     for _ in range(repeats):
         for name, (prepare, encode, decode) in methods:
             row = rows[name]
             fed = prepare(x)
             gc.collect()  # a collection triggered by an earlier method stays out of the timing
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             blob = encode(fed)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             out = decode(blob, x)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             row["encode_s"].append(t1 - t0)
             row["decode_s"].append(t2 - t1)
+            row["encode_cpu_s"].append(c1 - c0)
+            row["decode_cpu_s"].append(c2 - c1)
             fed_after = _fed_bytes(fed)
             row["bit_identical"] &= _out_bytes(out) == reference
             row["input_unchanged"] &= raw_bytes(x) == reference and (
@@ -250,9 +248,11 @@ def time_interleaved(methods: list[tuple[str, Method]], x: torch.Tensor, threads
 
 def paired_speedup(ours_row: dict, other_row: dict) -> dict:
     """Per round, other's time / our time (how many times faster we were in that round,
-    measured back to back): min and median over the rounds."""
+    measured back to back), in wall time and in CPU time of the whole process (all its
+    threads; what the round cost the machine, less sensitive to other load): min, median
+    and max over the rounds."""
     out = {}
-    for what in ("encode", "decode"):
+    for what in ("encode", "decode", "encode_cpu", "decode_cpu"):
         ratios = [b / a for a, b in zip(ours_row[f"{what}_s"], other_row[f"{what}_s"],
                                         strict=True)]
         out[what] = {"min": min(ratios), "median": statistics.median(ratios),
@@ -370,7 +370,11 @@ def _print_row(label: str, row: dict) -> None:
           f"{enc['best']:>7.2f} {enc['min']:>5.2f}/{enc['median']:>4.2f}"
           f"{dec['best']:>7.2f} {dec['min']:>5.2f}/{dec['median']:>4.2f}  "
           f"{'yes' if row['bit_identical'] else 'NO':<5} "
-          f"{'yes' if row['input_unchanged'] else 'NO'}")
+          f"{'yes' if row['input_unchanged'] else 'NO'}", flush=True)
+
+
+def _span(ratios: dict) -> str:
+    return f"{ratios['min']:.2f}/{ratios['median']:.2f}x"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -409,10 +413,10 @@ def run(args: argparse.Namespace) -> int:
                     sp = paired_speedup(by_name[mine], by_name[theirs])
                     pairs.append({"dtype": label, "threads": threads, "ours": mine,
                                   "baseline": theirs, **sp})
-                    print(f"{'':<17}{mine} vs {theirs}, {threads} thr, per round: encode "
-                          f"{sp['encode']['min']:.2f}x min {sp['encode']['median']:.2f}x "
-                          f"median, decode {sp['decode']['min']:.2f}x min "
-                          f"{sp['decode']['median']:.2f}x median")
+                    print(f"{'':<17}{mine} / {theirs} speed per round, min/med: "
+                          f"wall enc {_span(sp['encode'])} dec {_span(sp['decode'])}; "
+                          f"cpu enc {_span(sp['encode_cpu'])} dec {_span(sp['decode_cpu'])}",
+                          flush=True)
     delta = None if args.no_delta else _print_delta()
     if args.json:
         args.json.write_text(json.dumps({"input": str(path), "cores": cores,
