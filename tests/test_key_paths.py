@@ -21,6 +21,7 @@ COLLIDING = {
     "bool_none_float": {True: torch.zeros(3), "True": torch.ones(3), None: torch.full((3,), 2.0),
                         "None": torch.full((3,), 3.0), 1.5: torch.full((3,), 4.0), "1.5": torch.full((3,), 5.0)},
     "escape_char": {"%2F": torch.zeros(3), "/": torch.ones(3)},
+    "empty_key": {"": {"x": torch.zeros(3), "": torch.full((3,), 2.0)}, "x": torch.ones(3), "/": torch.full((3,), 3.0)},
 }
 
 

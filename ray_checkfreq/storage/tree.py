@@ -91,7 +91,7 @@ def _visit(value: Any, path: KeyPath, name: str, visitor: StateVisitor[T]) -> T:
     if isinstance(value, Mapping):
         return _visit_mapping(value, path, name, visitor)
     if isinstance(value, (list, tuple)):
-        items = [_visit(v, path + (i,), _child(name, str(i)), visitor) for i, v in enumerate(value)]
+        items = [_visit(v, path + (i,), _child(path, name, str(i)), visitor) for i, v in enumerate(value)]
         return visitor.sequence(path, name, value, items)
     raise UnsupportedStateError(
         _shown(name),
@@ -102,13 +102,13 @@ def _visit(value: Any, path: KeyPath, name: str, visitor: StateVisitor[T]) -> T:
 
 def _visit_mapping(value: Mapping, path: KeyPath, name: str, visitor: StateVisitor[T]) -> T:
     parts = key_names(list(value.keys()), name)
-    items = [(k, _visit(v, path + (k,), _child(name, part), visitor))
+    items = [(k, _visit(v, path + (k,), _child(path, name, part), visitor))
              for (k, v), part in zip(value.items(), parts)]
     metadata = None
     if isinstance(value, OrderedDict):
         raw = getattr(value, "_metadata", None)
         if raw is not None:
-            metadata = _visit(raw, path + (METADATA,), _child(name, _METADATA_NAME), visitor)
+            metadata = _visit(raw, path + (METADATA,), _child(path, name, _METADATA_NAME), visitor)
     return visitor.mapping(path, name, value, items, metadata)
 
 
@@ -131,7 +131,7 @@ def _checked_key(key: Any, parent: str) -> str:
     if isinstance(key, float) and math.isfinite(key):
         return float.__repr__(key)
     raise UnsupportedStateError(
-        _shown(_child(parent, str(key))),
+        f"{parent}/{key}" if parent else str(key),
         f"dict key of type {type(key).__name__} (allowed: str, int, bool, finite float, None)",
     )
 
@@ -144,23 +144,12 @@ def _escape(key: str, *, lookalike: bool) -> str:
     return text
 
 
-def _child(name: str, part: str) -> str:
-    return f"{name}/{part}" if name else part
+def _child(parent: KeyPath, name: str, part: str) -> str:
+    return f"{name}/{part}" if parent else part  # a key "" still adds its "/"
 
 
 def _shown(name: str) -> str:
     return name or "<root>"
-
-
-def format_key_path(path: KeyPath) -> str:
-    """A tuple path as a name, for messages: ``("optimizer", "state", 0)`` -> ``"optimizer/state/0"``.
-
-    Without the siblings of each key it cannot tell ``"0"`` from ``0``; the names that key
-    stored leaves come from ``walk_state``.
-    """
-    parts = [_METADATA_NAME if p is METADATA else (_escape(p, lookalike=False) if isinstance(p, str)
-             else _checked_key(p, "")) for p in path]
-    return "/".join(parts) if parts else "<root>"
 
 
 def _checked_tensor(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -242,7 +231,7 @@ class _SkeletonEncoder(StateVisitor[Any]):
         tag = "tensor" if isinstance(value, torch.Tensor) else (
             "ndarray" if isinstance(value, np.ndarray) else "npscalar")
         self.leaves.append(value.detach() if tag == "tensor" else np.asarray(value) if tag == "npscalar" else value)
-        self.names.append(_shown(name))
+        self.names.append(name)
         self.paths.append(path)
         return {tag: len(self.leaves) - 1}
 
