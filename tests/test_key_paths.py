@@ -39,9 +39,10 @@ def test_key_names(keys, names):
 
 @pytest.mark.parametrize("case", sorted(COLLIDING))
 def test_colliding_keys_get_distinct_names_and_paths(case):
-    flat = flatten_state({"extra": COLLIDING[case]})
-    assert len(set(flat.key_paths)) == len(flat.key_paths) == len(flat.leaves)
-    assert len(set(flat.paths)) == len(flat.paths)
+    for state in ({"extra": COLLIDING[case]}, COLLIDING[case]):  # nested and at the root
+        flat = flatten_state(state)
+        assert len(set(flat.key_paths)) == len(flat.key_paths) == len(flat.leaves)
+        assert len(set(flat.paths)) == len(flat.paths)
 
 
 def test_names_of_existing_checkpoints_are_unchanged():
