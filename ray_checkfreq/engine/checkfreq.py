@@ -134,6 +134,7 @@ class CheckFreq:
         self._last_checkpoint_iteration = -1
         self._measured_result: PersistResult | None = None
         self._started = False
+        self._busy_after_step = False
         self._last_step_t: float | None = None
         self._update_started = 0.0
         self._pending_stall = 0.0
@@ -221,7 +222,7 @@ class CheckFreq:
         now = time.perf_counter()
         # Counted before anything can raise: the optimizer has stepped, so has the iteration.
         self.iteration += 1
-        busy = self._persist.busy
+        busy = self._busy_after_step or self._persist.busy  # persist ran during some of it
         if self._last_step_t is not None:
             self._observe(now - self._last_step_t, self._pending_stall, busy)
         self._last_step_t = now  # an iteration runs from step() to step(): this step's own work counts
@@ -231,6 +232,7 @@ class CheckFreq:
             self._advance_profiling()
         elif self._checkpoint_due():
             self._checkpoint(self._is_epoch_end())
+        self._busy_after_step = self._persist.busy
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
