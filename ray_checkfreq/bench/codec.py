@@ -212,14 +212,16 @@ def _out_bytes(out) -> bytes:
 
 def time_interleaved(methods: list[tuple[str, Method]], x: torch.Tensor, threads: int,
                      repeats: int) -> list[dict]:
-    """Round trips of every method in turn (ours, zipnn, ours, zipnn, ...), ``repeats``
+    """Round trips of every method in turn (ours, zipnn, zipnn, ours, ours, ...), ``repeats``
     rounds, so that load from the rest of the machine falls on all of them alike."""
     reference = raw_bytes(x)  # the copy taken before encoding
     rows: dict[str, dict[str, Any]] = {name: {"method": name, "threads": threads, "encode_s": [], "decode_s": [],
                    "encode_cpu_s": [], "decode_cpu_s": [],
                    "bit_identical": True, "input_unchanged": True} for name, _ in methods}
-    for _ in range(repeats):
-        for name, (prepare, encode, decode) in methods:
+    for round_no in range(repeats):
+        # Every other round in reverse, so that no method always runs right after the
+        # same other one (what it left in the allocator and caches would bias it).
+        for name, (prepare, encode, decode) in methods[::-1 if round_no % 2 else 1]:
             row = rows[name]
             fed = prepare(x)
             gc.collect()  # a collection triggered by an earlier method stays out of the timing
