@@ -171,6 +171,33 @@ def test_version_2_blobs_decode():
     assert codec.encode(x)[4] == blobfmt.VERSION == 3
 
 
+# Written by the encoder before the SIMD kernels and crc32 changes (format version 3, 160
+# N(0, 1) float32 values in 320-byte frames): blobs already stored must keep decoding.
+V3_FLOAT32_BEFORE_KERNELS = base64.b64decode(
+    "UkNGWgMIB2Zsb2F0MzIBoAAAAAAAAAD/BABQAAAAAAAAAAIAAAB/BYhBsmFVzQBQAAAAARUAAAAAoAAAAAA8"
+    "AAAAopHz4bRP+NQAUAAAAAEVAAAAAKAAAAAAPAAAAHcmczBhgICHg4d3iYOEg4F6h3OFiYOLiYt/iYB9fY2E"
+    "dnuKg4eGiIZ0h4R7e3iIeImKhnuFjIaIeIR+hXiFiYV+g3yIhH6HiImGhYuDeomFgYGAiii1L/0kFUUAABBd"
+    "AAEACcACtnNMqAnHYh9G7rJc4PbWtb9xfY9gUpooXYURVwT7CE81QB6k1Hg+dSkTqyYRFebfbzDgoyEAGczE"
+    "nQp2QVbBZ4BpEr+iRzCUS1ss+Gk5B4M85QAY6Kne7lTkyWETu2TPG5kM+3lk2nzv3d0ZGlaUPkd02+ABf1zU"
+    "qzs2H9gAdXtvRgR/uzYbEt8PgJnRhQzBHLWVr2g8q7VKbds8JPIu5kSvzBiimZmGPaj6i7N5cyF2/2ubtR4H"
+    "36wj2kJvmM6liZTy3jlI+bzVzHlrl0crAY9vK7XL40AJaLaPwg/nPzx+fH13eoRpf4SBboF9hGWAhX2GiHyD"
+    "eYiCgHp/eXqBgIR1cIR8goN6dYB3h4R9iIKGgoKCeIaEhXR8eYOEgHKCgYWFeINqgX2AaH58hYKGgSi1L/0k"
+    "FUUAABBeAAEACcACI7VchNnbpLpQdOYYqjkuWHA1h6opjMAS3zM/faf9kuOllp4oIhGENyjdxiq3upf9hs5B"
+    "xfwNwzswJf/ENmEdzWRXjVgCHAfuutKOOnsTAcyDdJ1eMN80syfOJOgdhkbYG2B2xN8AuBYjDetQXtarYR77"
+    "pMV7TkfKTRjK+TJtTbGPMdPaAMyTX8C4IE4l9qEc89doqzJjPUk1eyMaWjcXeqlrwa/9/DGV6qmFiYuXGwqf"
+    "ovdqO1Iy6lT7bcOvzVaGM7X8NflcKF1L9Zcw3pAlWKfk0XHrdCKivvKT2w5UsZg=")
+
+
+def test_version_3_blobs_of_the_previous_encoder_decode():
+    blob = V3_FLOAT32_BEFORE_KERNELS
+    assert blob[4] == 3 and codec.blob_info(blob)["layout"] == "e8"
+    codec.verify(blob)
+    y = codec.decode(blob)
+    assert y.dtype == torch.float32 and tuple(y.shape) == (160,)
+    assert zlib.crc32(raw(y)) == 0x807112BF
+    assert y[:3].tolist() == [0.001230153371579945, 0.2987455427646637, -0.27413785457611084]
+
+
 def test_headers_naming_a_layout_that_cannot_fit_are_refused():
     x = torch.randn(5000)
     blob = codec.encode(x)
