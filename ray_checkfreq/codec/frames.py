@@ -138,6 +138,7 @@ def _decompress(chunk: memoryview, expected: int, i: int, version: int) -> bytes
             raise CorruptBlobError(f"codec blob frame {i} has a stream of the wrong size")
         if version >= 2 and not params.has_checksum:
             raise CorruptBlobError(f"codec blob frame {i} has a stream without checksum")
+        # allow_extra_data=False: a damaged header must not hide the trailing checksum.
         data = zstdparams.decompressor().decompress(chunk, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptBlobError(f"codec blob frame {i} does not decompress: {exc}") from None

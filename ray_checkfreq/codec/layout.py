@@ -30,7 +30,7 @@ _warned = False
 
 # zlib.crc32's result, about 3x faster where the kernels have carry-less multiply.
 crc32: Callable[..., int] = (
-    _kernels.crc32 if _kernels is not None and _kernels.clmul else zlib.crc32)
+    _kernels.crc32 if getattr(_kernels, "clmul", 0) else zlib.crc32)
 
 
 def kernels_available() -> bool:
