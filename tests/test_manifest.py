@@ -27,7 +27,7 @@ def manifests(draw) -> Manifest:
     count = draw(st.integers(0, 6))
     tensors = []
     offset = 0
-    for index in range(count):
+    for _ in range(count):
         kind, dtype, itemsize = draw(st.sampled_from(DTYPES))
         shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
         spec = LeafSpec(kind=kind, dtype=dtype, shape=shape)
