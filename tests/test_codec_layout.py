@@ -33,7 +33,7 @@ def test_the_c_kernels_are_built():
 
 def test_planar_split_fields_of_known_values():
     x = np.array([1.0, -1.5, 3.0, 0.0], np.float32)
-    # Exponents 127, 127, 128, 0; the sample (every 8th element) is just 1.0, so the
+    # Exponents 127, 127, 128, 0; the sample (every 32nd element) is just 1.0, so the
     # offset is 127 - 32 = 95 and the exponents become 32, 32, 33 and (0 - 95) % 256 = 161.
     expected = [
         [32 << 2, 32 << 2 | 2, 33 << 2 | 2, (161 & 63) << 2],  # T: E5..E0, top 2 mantissa bits

@@ -15,7 +15,7 @@
 
 /* ---- planar exponent split for floats with an 8-bit exponent (bfloat16, float32) ---- */
 
-#define OFFSET_SAMPLE_STEP 8
+#define OFFSET_SAMPLE_STEP 32
 #define OFFSET_CENTER 32
 
 typedef struct {

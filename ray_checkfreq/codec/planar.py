@@ -12,15 +12,18 @@ offset, modulo 256; ``r`` = the 5 lowest mantissa bits and the sign, as ``m4..m0
     M  float32 only, 2 bytes   m20..m13, m12..m5      stored as is
     R  6 bits per element      r                      stored as is
 
-The offset is the median exponent of every 8th element of the frame, minus 32: it puts
+The offset is the median exponent of every 32nd element of the frame, minus 32: it puts
 the frame's common exponents in 0..63, so K is constant for them whatever their scale
 (without it, values on both sides of 2.0, such as N(0, 1) embeddings, split their
 exponent between T and K and lose 1.3 % of the stored size). Stream K starts with the
-offset byte. Elements are padded with zeros to a multiple of 4; the 2-bit fields of 4
-consecutive elements share a byte (element ``4g + i`` at bits ``2i`` of byte ``g``), and
-stream R is the low 4 bits of ``r`` two elements to a byte (low nibble first) followed by
-its top 2 bits, packed like K. Consecutive elements stay together so that runs (zero
-rows, untouched embedding rows of Adam state) remain runs in every stream.
+offset byte, so decoders do not depend on how it was chosen (blobs written with every
+8th element sampled decode the same; on MiniLM both give the same sizes, and the split
+kernel spends a quarter as long on the histogram). Elements are padded with zeros to a
+multiple of 4; the 2-bit fields of 4 consecutive elements share a byte (element
+``4g + i`` at bits ``2i`` of byte ``g``), and stream R is the low 4 bits of ``r`` two
+elements to a byte (low nibble first) followed by its top 2 bits, packed like K.
+Consecutive elements stay together so that runs (zero rows, untouched embedding rows of
+Adam state) remain runs in every stream.
 
 Why: within a binade the density of trained weights falls off, so the top mantissa bits
 are skewed, and more for some exponents than for others; zstd codes bytes order-0 and
@@ -36,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 MANTISSA_BITS = {2: 7, 4: 23}  # by element width: bfloat16, float32
-OFFSET_SAMPLE_STEP = 8
+OFFSET_SAMPLE_STEP = 32
 OFFSET_CENTER = 32
 
 
