@@ -883,6 +883,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernels", "Byte-layout kernels of the codec.", -1, methods,
 };
 
+/* RAY_CHECKFREQ_CODEC_NO_AVX2 (any value) keeps both AVX2 and carry-less multiply off: the
+ * tests use it to run the SSE2 and byte-table paths that older CPUs take. */
 PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef HAVE_AVX2_DISPATCH
     __builtin_cpu_init();
