@@ -151,7 +151,7 @@ class Run:
     executed: int
 
 
-TOTAL = 60  # iterations; the policy profiles over the first ~20-35 (two trial persists under load)
+TOTAL = 100  # iterations; the policy profiles over the first ~20-40 (its persist must finish), then an epoch-end checkpoint commits
 
 
 def _full_run(storage, total, kill_at=None, progress=None) -> Run:

@@ -184,6 +184,7 @@ def test_interference_is_what_busy_iterations_lost_against_the_quiet_mean():
     assert quiet_reference_s(quiet) == pytest.approx(1.0)
     assert interference_s(quiet, [1.5, 1.25, 1.0, 1.0]) == pytest.approx(0.75)
     assert interference_s(quiet, [0.9, 0.9]) == 0.0, "never negative"
+    assert interference_s(quiet, [1.5, 4.0]) == pytest.approx(3.5), "a stretched busy iteration counts in full"
     assert iteration_time_s([5.0, 3.0, 1.0, 1.2, 0.9, 1.1, 1.0], warmup=2) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="warm-up of 2"):
         iteration_time_s([5.0, 3.0], warmup=2)
@@ -195,6 +196,8 @@ def test_compression_is_tried_only_where_the_persist_holds_k_up():
     assert compression_could_pay(persist_bound, size_bytes=100 << 20)
     assert not compression_could_pay(persist_bound, size_bytes=4096), "per-file latency, not bytes"
     assert not compression_could_pay(cost_bound, size_bytes=100 << 20)
+    barely = choose_interval(cpu_profile(persist_s=1.0, iter_s=1.0, cpu_copy_s=0.5))  # k = k_persist = 2
+    assert not compression_could_pay(barely, size_bytes=100 << 20), "ceil(0.66 * 2) = 2: no clear gain possible"
 
 
 def test_compression_wins_only_by_a_clear_margin_in_k():

@@ -135,6 +135,7 @@ class CheckFreq:
         self._measured_result: PersistResult | None = None
         self._started = False
         self._busy_after_step = False
+        self._measured_before = False
         self._last_step_t: float | None = None
         self._update_started = 0.0
         self._pending_stall = 0.0
@@ -233,13 +234,14 @@ class CheckFreq:
         elif self._checkpoint_due():
             self._checkpoint(self._is_epoch_end())
         self._busy_after_step = self._persist.busy
+        self._measured_before = self._measured_result is not None  # done before the next iteration began
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
         profiling = self._profiling
         if profiling is not None:
-            if profiling.measuring:
-                self._measure_done = profiling.record_busy(iter_s, busy)
+            if profiling.measuring:  # until the measured persist is done (not a later epoch-end one)
+                self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before)
             elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
                 self._quiet_done = profiling.record_quiet(iter_s)
         elif self._adaptive is not None:

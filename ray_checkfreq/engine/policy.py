@@ -200,22 +200,25 @@ def quiet_reference_s(quiet: Sequence[float], pause_factor: float = 3.0) -> floa
 
 def interference_s(quiet: Sequence[float], busy: Sequence[float], pause_factor: float = 3.0) -> float:
     """Training seconds lost to one checkpoint: how much longer the iterations that ran
-    beside it (stalls included) took than as many quiet ones; never below 0."""
+    beside it (stalls included) took than as many quiet ones; never below 0. Every busy
+    iteration counts, however slow: a persist that holds the interpreter can stretch one
+    by more than any pause factor."""
     reference = quiet_reference_s(quiet, pause_factor)
     return max(0.0, sum(busy) - len(busy) * reference)
 
 
 MIN_COMPRESSIBLE_BYTES = 1 << 20
+BEST_STORED_FRACTION = 0.66  # the codec's best case (dense BF16 is ~1.5x at its entropy limit)
+COMPRESSION_MARGIN = 0.8
 
 
 def compression_could_pay(decision: Decision, size_bytes: int) -> bool:
-    """Compression only shortens the persist and costs CPU: it can lower k only where k is
-    held up by the persist's duration rather than by what a checkpoint costs training, and
-    only where bytes, not per-file latency, make that duration (states of a MiB or more)."""
-    return size_bytes >= MIN_COMPRESSIBLE_BYTES and decision.k_persist > max(decision.k_min, decision.k_cost)
-
-
-COMPRESSION_MARGIN = 0.8
+    """Compression only shortens the persist and costs CPU: worth a measured trial only
+    where, even at the codec's best ratio, the persist-bound k would drop by the margin
+    ``choose_codec`` asks for, and where bytes, not per-file latency, make the persist's
+    duration (states of a MiB or more)."""
+    best_k = max(decision.k_min, decision.k_cost, math.ceil(BEST_STORED_FRACTION * decision.k_persist))
+    return size_bytes >= MIN_COMPRESSIBLE_BYTES and best_k <= COMPRESSION_MARGIN * decision.k
 
 
 def choose_codec(decisions: Mapping[str, Decision]) -> str:

@@ -30,6 +30,7 @@ from ray_checkfreq.engine.snapshot import tensors_in
 WARMUP_ITERS = 2
 MIN_TI_SAMPLES = 5
 MEASURE_ITERS = 10
+REFERENCE_ITERS = 10
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,11 @@ class ProfilingWindow:
 
     def finish_measuring(self, copy_s: float, persist_s: float, size_bytes: int) -> Measured:
         assert self.codec is not None and self.busy is not None
+        # The quiet iterations right before the checkpoint are the reference: on a shared
+        # machine the iteration time drifts by more than a checkpoint costs over a window.
+        reference = self.quiet[WARMUP_ITERS:][-REFERENCE_ITERS:]
         result = Measured(codec=self.codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
-                          interference_s=interference_s(self.quiet[WARMUP_ITERS:], self.busy))
+                          interference_s=interference_s(reference, self.busy))
         self.measured[self.codec] = result
         self.codec, self.busy = None, None
         return result
