@@ -151,7 +151,7 @@ class Run:
     executed: int
 
 
-TOTAL = 100  # iterations; the policy profiles over the first ~20-40 (its persist must finish), then an epoch-end checkpoint commits
+TOTAL = 100  # iterations: the policy profiles over the first ~20-40 (until its persist is done)
 
 
 def _full_run(storage, total, kill_at=None, progress=None) -> Run:
