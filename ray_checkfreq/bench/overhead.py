@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -265,6 +266,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads {args.threads}: must be >= 1")
         torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="rcf-overhead-")
+    try:
+        figures = _run_parts(args, parts, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _print(args, figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+def _run_parts(args: argparse.Namespace, parts: list[str], root: str) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     if "first" in parts:
         figures["first"] = part_first(args, root)
@@ -275,11 +288,7 @@ def run(args: argparse.Namespace) -> int:
         # the fixed k is the one the adaptive run had settled on under normal storage
         settled = figures["adaptive"]["k_at_phase_end"][0] or args.every  # None: still profiling (short runs)
         figures["fixed"] = part_adaptive(args, root, every=settled)
-    _print(args, figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-    return 0
+    return figures
 
 
 def _print(args: argparse.Namespace, figures: dict) -> None:
