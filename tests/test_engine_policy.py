@@ -238,6 +238,16 @@ def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measu
     assert not any(window.record_busy(1.1, persist_busy=False) for _ in range(9))
     assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
     assert window.record_busy(1.1, persist_busy=False)
+    assert window.needs_warm_measurement(), "a codec's first checkpoint is cold"
+    window.discard_cold()
+    assert not window.measuring and not window.measured
+    window.start_measuring("raw")
+    assert not any(window.record_busy(1.1, persist_busy=False) for _ in range(9))
+    assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
+    assert window.record_busy(1.1, persist_busy=False)
+    assert not window.needs_warm_measurement()
     measured = window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10)
     assert measured.interference_s == pytest.approx(11 * 0.1)
     assert not window.measuring and window.measured["raw"] == measured
+    window.start_measuring("rcfz")
+    assert window.needs_warm_measurement(), "each codec gets its own warm measurement"

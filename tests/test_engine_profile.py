@@ -150,6 +150,33 @@ def test_profiling_commits_its_checkpoint_and_decides_raw_on_a_fast_disk(tmp_pat
     assert steps and steps[0] >= 8, "the profiling checkpoint is a real one"
 
 
+class ColdStore(CheckpointStore):
+    """The first save is slow (``cold_s``), as a first write to new files and buffers is."""
+
+    def __init__(self, *args, cold_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cold_s, self.saves = cold_s, 0
+
+    def save(self, step, state, **kwargs):
+        self.saves += 1
+        if self.saves == 1:
+            time.sleep(self.cold_s)
+        return super().save(step, state, **kwargs)
+
+
+def test_the_policy_decides_from_a_warm_checkpoint_not_the_cold_first_one(tmp_path):
+    model, opt = _model()
+    store = ColdStore(str(tmp_path), cold_s=1.0)
+    cf = CheckFreq(model=model, optimizer=opt, storage=store, profile_iters=8)
+    cf.restore()
+    _loop(model, opt, cf, 60, sleep_s=0.005, until_decided=True)
+    cf.close()
+    assert cf.profile is not None and cf.decision is not None
+    assert cf.profile.persist_s < 0.5, "the cold save's second is not the persist time"
+    assert cf.decision.k_persist < 20, "one cold save (200 iterations long) does not set k"
+    assert len(CheckpointStore(str(tmp_path)).list()) >= 2, "both profiling checkpoints are real"
+
+
 def _cached_run(tmp_path, width: int, iterations: int) -> CheckFreq:
     model, opt = _model(width)
     cf = CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), profile_iters=8)

@@ -1,9 +1,10 @@
 """The profiling window and the compression trial, as small state machines over timings.
 
-Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then one
-real, committed checkpoint per codec tried, its persist running beside at least
-``MEASURE_ITERS`` training iterations. What those iterations lost against quiet ones,
-stalls included, is the checkpoint's cost as training feels it.
+Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then two
+real, committed checkpoints per codec tried (the first, cold one only warms buffers and
+files), each persist running beside at least ``MEASURE_ITERS`` training iterations. What
+those iterations lost against quiet ones, stalls included, is the checkpoint's cost as
+training feels it.
 
 Compression trial (``every=k``): the first checkpoint is written raw; compression is
 tried on the next one only where the raw persist outlasted the interval.
@@ -54,6 +55,7 @@ class ProfilingWindow:
     busy: list[float] | None = None
     codec: str | None = None
     measured: dict[str, Measured] = field(default_factory=dict)
+    cold: set[str] = field(default_factory=set)  # codecs whose first (cold) checkpoint was discarded
 
     def __post_init__(self) -> None:
         self.quiet_iters = max(self.quiet_iters, WARMUP_ITERS + MIN_TI_SAMPLES)
@@ -76,6 +78,23 @@ class ProfilingWindow:
         assert self.busy is not None
         self.busy.append(iter_s)
         return not persist_busy and len(self.busy) >= MEASURE_ITERS
+
+    def needs_warm_measurement(self) -> bool:
+        """True when the checkpoint just measured was this codec's first (a cold one).
+
+        A codec's first checkpoint pays one-off costs that later ones do not: the snapshot
+        buffers are allocated and faulted in, the store's files and the page cache are
+        new. Measured here at 100 MB, that made the cold cost ~10x the steady one and the
+        first k far above where the adaptive rate settled, so the policy decides from a
+        second, warm checkpoint of the same codec.
+        """
+        assert self.codec is not None
+        return self.codec not in self.cold
+
+    def discard_cold(self) -> None:
+        assert self.codec is not None
+        self.cold.add(self.codec)
+        self.codec, self.busy = None, None
 
     def finish_measuring(self, copy_s: float, persist_s: float, size_bytes: int) -> Measured:
         assert self.codec is not None and self.busy is not None
