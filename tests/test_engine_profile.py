@@ -232,3 +232,26 @@ def test_with_a_fixed_k_compression_is_measured_not_assumed(tmp_path):
     _loop(model, opt, cf, 6)
     cf.close()
     assert forced.codecs == ["rcfz"] * 3
+
+
+# ------------------------------------------------------------------ fencing
+def test_a_restarted_run_fences_the_old_one_still_writing(tmp_path):
+    """An old rank 0 still training after a restart cannot commit over the new run: the
+    new run's restore() takes a newer writer generation; the old run's next checkpoint
+    fails loudly, and the newest checkpoint is the new run's."""
+    old_model, old_opt = _model()
+    old = CheckFreq(model=old_model, optimizer=old_opt, storage=str(tmp_path), every=5)
+    old.restore()
+    _loop(old_model, old_opt, old, 10)
+    old.flush()
+    new_model, new_opt = _model()
+    new = CheckFreq(model=new_model, optimizer=new_opt, storage=str(tmp_path), every=5)
+    assert new.restore() == 10, "the new run resumes from the old run's newest checkpoint"
+    with pytest.raises(PersistError, match="FencedWriterError"):
+        _loop(old_model, old_opt, old, 10)
+        old.close()
+    _loop(new_model, new_opt, new, 5)
+    new.close()
+    latest = CheckpointStore(str(tmp_path)).latest()
+    assert latest is not None and latest.step == 15
+    assert latest.writer_generation == new.store.writer_generation > old.store.writer_generation

@@ -148,7 +148,13 @@ class CheckFreq:
 
     # ----------------------------------------------------------------- restore
     def restore(self) -> int:
-        """Load the newest valid checkpoint into everything; returns the iteration to resume at."""
+        """Load the newest valid checkpoint into everything; returns the iteration to resume at.
+
+        Takes this run's writer generation first: a process of an earlier run that is still
+        writing to the same storage (an old rank 0 after a restart) can no longer commit, so
+        the checkpoint read here stays the newest one until this run saves its own.
+        """
+        self.store.acquire_writer()
         self._load_cached_profile()
         if not self.store.list():
             self._begin(0)
