@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo clean
+.PHONY: venv test lint demo clean
 
 venv: $(STAMP)
 
@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml setup.py ray_checkfreq/codec/_kernels.c Makefile
 	$(PY) -m pip install --quiet -e ".[dev,dali]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check ray_checkfreq tests examples
+	$(PY) -m mypy
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -33,6 +33,10 @@ crc32: Callable[..., int] = (
     _kernels.crc32 if getattr(_kernels, "clmul", 0) else zlib.crc32)
 
 
+def crc32_accelerated() -> bool:
+    return crc32 is not zlib.crc32
+
+
 def kernels_available() -> bool:
     return _kernels is not None
 

@@ -84,9 +84,9 @@ def leaf_bytes(leaf: Any) -> memoryview:
             return memoryview(b"")
         if tensor.stride(0) != 1:  # a one-element "contiguous" tensor may keep any stride
             tensor = tensor.as_strided((tensor.numel(),), (1,))
-        return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+        return tensor.view(torch.uint8).numpy().data.cast("B")
     array = np.ascontiguousarray(leaf)
-    return memoryview(array.reshape(-1).view(np.uint8)).cast("B")
+    return array.reshape(-1).view(np.uint8).data.cast("B")
 
 
 def leaf_from_buffer(spec: LeafSpec, buffer: Any, offset: int) -> Any:
@@ -100,6 +100,6 @@ def leaf_from_buffer(spec: LeafSpec, buffer: Any, offset: int) -> Any:
             return torch.empty(spec.shape, dtype=dtype)
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=spec.nbytes, offset=offset)
         return raw.view(dtype).reshape(spec.shape)
-    dtype = numpy_dtype(spec.dtype)
+    array_dtype = numpy_dtype(spec.dtype)
     count = int(np.prod(spec.shape, dtype=np.int64))
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(spec.shape)
+    return np.frombuffer(buffer, dtype=array_dtype, count=count, offset=offset).reshape(spec.shape)
