@@ -200,13 +200,20 @@ def part_every(args: argparse.Namespace, root: str) -> dict:
     cf_pairs: list[Pair] = []
     save_pairs: list[Pair] = []
     done = 0
+    rounds = 0
     while done < args.every_iters:
+        # The CheckFreq block decides n (it runs on until its persist is done); the other two
+        # then run n each, in an order reversed every other round, so that neither always
+        # follows the other's writes.
         n, with_cf = checked.run_until_idle(min(args.block, args.every_iters - done))
-        without = plain.run(n)
-        with_save = saver.run(n)
+        if rounds % 2 == 0:
+            without, with_save = plain.run(n), saver.run(n)
+        else:
+            with_save, without = saver.run(n), plain.run(n)
         cf_pairs.append((n, without, with_cf))
         save_pairs.append((n, without, with_save))
         done += n
+        rounds += 1
     checked.cf.close()
     stats = checked.cf.stats()
     return {"every": args.every, "iterations": done, "overhead_checkfreq": _overhead(cf_pairs),
