@@ -83,19 +83,28 @@ def _tricky_containers(children: Any) -> Any:
     )
 
 
+def map_tensors(value: Any, fn: Any) -> Any:
+    """``value`` with every tensor replaced by ``fn(tensor)``, in order (dicts, lists)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, map_tensors(v, fn)) for k, v in value.items())
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_tensors(v, fn) for v in value]
+    return value
+
+
 def _number_leaves(value: Any, counter: list[int]) -> Any:
     """Every tensor becomes ``full((3,), n)`` with its own n: same shape and dtype, so that a
     buffer or base shared by two leaves shows as equal values."""
-    if isinstance(value, torch.Tensor):
+
+    def numbered(_: torch.Tensor) -> torch.Tensor:
         counter[0] += 1
         return torch.full((3,), float(counter[0]))
-    if isinstance(value, OrderedDict):
-        return OrderedDict((k, _number_leaves(v, counter)) for k, v in value.items())
-    if isinstance(value, dict):
-        return {k: _number_leaves(v, counter) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_number_leaves(v, counter) for v in value]
-    return value
+
+    return map_tensors(value, numbered)
 
 
 tricky_values = st.recursive(st.just(torch.zeros(3)) | st.integers(-2, 2), _tricky_containers, max_leaves=12)

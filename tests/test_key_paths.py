@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from state_strategies import assert_same_state, tricky_states
+from state_strategies import assert_same_state, map_tensors, tricky_states
 
 from ray_checkfreq import CheckFreq, CheckpointStore
 from ray_checkfreq.engine.snapshot import Snapshotter
@@ -150,15 +150,7 @@ class _Holder:
 
 
 def _plus(value, offset: float):
-    if isinstance(value, torch.Tensor):
-        return value + offset
-    if isinstance(value, OrderedDict):
-        return OrderedDict((k, _plus(v, offset)) for k, v in value.items())
-    if isinstance(value, dict):
-        return {k: _plus(v, offset) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plus(v, offset) for v in value]
-    return value
+    return map_tensors(value, lambda t: t + offset)
 
 
 def test_checkpoints_written_with_colliding_names_still_load(tmp_path, monkeypatch):

@@ -37,7 +37,6 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.manifest import (
     CHECKPOINT_DIR,
@@ -637,7 +637,7 @@ class CheckpointStore:
             # Decoding a codec blob checks the blob's own checksums and then raw_crc32, so the
             # stored-bytes pass is needed only for raw tensors and for verify().
             if (entry.codec == "raw" or not build) and (
-                zlib.crc32(view[entry.offset:entry.offset + entry.length]) != entry.stored_crc32
+                crc32(view[entry.offset:entry.offset + entry.length]) != entry.stored_crc32
             ):
                 raise CorruptCheckpointError(location, f"checksum mismatch in tensor {entry.key!r}")
             if entry.delta and entry.key not in bases:
