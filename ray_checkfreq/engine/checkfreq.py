@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import statistics
 import time
 from collections import deque
@@ -21,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
@@ -35,6 +33,7 @@ from ray_checkfreq.engine.profiling import (
     fingerprint_changes,
 )
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
+from ray_checkfreq.engine.seams import Action, EngineSeams, NullPersister, Persister
 from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter, tensors_in
 from ray_checkfreq.storage import CheckpointStore
 
@@ -42,6 +41,7 @@ logger = logging.getLogger("ray_checkfreq.engine")
 
 PROFILE_NAME = "checkfreq-profile.json"
 _ASYNC_PARTS = {"model_params", "optimizer"}
+_Planned = tuple[bool, str]  # a planned checkpoint: (epoch boundary, codec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,10 @@ class CheckFreq:
         profile_iters: int | None = None,
         compress: bool | None = None,
         config: CheckFreqConfig | None = None,
+        seams: EngineSeams | None = None,
     ) -> None:
+        """``seams`` is the Ray layer's hook (who plans, where snapshots go, who persists);
+        not for users."""
         self.config = _config_from(config, overhead=overhead, every=every, epoch_len=epoch_len, mtbf_s=mtbf_s,
                                    adaptive=adaptive, profile_iters=profile_iters, compress=compress)
         _check_stateful("data", data)
@@ -119,11 +122,17 @@ class CheckFreq:
         self.iteration = 0
         self.decision: Decision | None = None
         self.profile: Profile | None = None
-        self._snapshotter = Snapshotter("cpu")
-        self._persist = PersistWorker(self.store, on_done=self._persist_done)
+        self.stop_requested = False  # an applied action asked the run to stop (a preemption)
+        self._seams = seams if seams is not None else EngineSeams()
+        self._decisions = self._seams.decisions
+        self._snapshotter = Snapshotter("cpu", host_memory=self._seams.host_memory)
+        self._persist = self._new_persister()
         self._fence_handle: Any = None
         self._adaptive: AdaptiveRate | None = None
-        self._k: int | None = self.config.every
+        self._k: int | None = self.config.every  # the planner's k
+        self._k_applied: int | None = self.config.every  # the k of the actions applied so far
+        self._planned_k: int | None = self.config.every  # the k the last planned action carried
+        self._begun = False
         self._next_checkpoint: int | None = None
         self._profiling: ProfilingWindow | None = None
         self._cached: dict | None = None
@@ -132,6 +141,8 @@ class CheckFreq:
         self._quiet_done = False  # set by _observe, acted on in step()
         self._measure_done = False
         self._last_checkpoint_iteration = -1
+        self._measure_from = 0  # the measured checkpoint's iteration: busy iterations are those after it
+        self._early_wait_s = 0.0  # waited for the persist in flight while planning this step's checkpoint
         self._measured_result: PersistResult | None = None
         self._started = False
         self._busy_after_step = False
@@ -145,6 +156,13 @@ class CheckFreq:
             optimizer.register_step_post_hook(self._after_update),
         ]
         self._closed = False
+
+    def _new_persister(self) -> Persister:
+        if not self._seams.takes_snapshots:
+            return NullPersister()
+        if self._seams.persister is not None:
+            return self._seams.persister(self.store, self._persist_done)
+        return PersistWorker(self.store, on_done=self._persist_done)
 
     # ----------------------------------------------------------------- restore
     def restore(self) -> int:
@@ -161,7 +179,13 @@ class CheckFreq:
             return 0
         # Falls back past corrupt checkpoints; raises if there are checkpoints but none loads,
         # rather than silently starting over.
-        state = self.store.load()
+        iteration = self.apply_state(self.store.load())
+        logger.info("restored iteration %d from %s", iteration, self.store.uri)
+        return iteration
+
+    def apply_state(self, state: Mapping[str, Any]) -> int:
+        """Load a checkpoint's state (as ``store.load()`` returns it) into model, optimizer,
+        extra state, data and RNGs, and resume counting from it; returns its iteration."""
         check_model_state(self.model, state["model"])
         check_optimizer_state(self.optimizer, state["optimizer"], state["checkfreq"])
         self.model.load_state_dict(state["model"])
@@ -170,24 +194,24 @@ class CheckFreq:
             obj.load_state_dict(state["extra"][name])
         if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
-        _set_rng_state(state["rng"])
+        self._seams.set_rng_state(state["rng"])
         iteration = int(state["checkfreq"]["iteration"])
         self._begin(iteration)
-        logger.info("restored iteration %d from %s", iteration, self.store.uri)
         return iteration
 
     def _begin(self, iteration: int) -> None:
         self.iteration = iteration
+        self._begun = True
         self._stats.first_iteration = iteration
         if self._k is not None:
             self._next_checkpoint = iteration + self._k
-        else:
+        elif self._decisions.is_planner:  # others take k from the actions they apply
             self._profiling = ProfilingWindow(quiet_iters=self.config.profiling_window())
 
     def _load_cached_profile(self) -> None:
         """Read the cached profile; it is applied at the first step, once the optimizer
         state exists and its fingerprint can be compared."""
-        if self.config.every is not None or not self.config.reuse_profile:
+        if self.config.every is not None or not self.config.reuse_profile or not self._decisions.is_planner:
             return
         cached = self.store.read_metadata(PROFILE_NAME)
         if not cached:
@@ -223,7 +247,7 @@ class CheckFreq:
             raise RuntimeError("CheckFreq is closed")
         if not self._started:
             self._started = True
-            if self._next_checkpoint is None and self._profiling is None:
+            if not self._begun:
                 self._begin(self.iteration)  # restore() was not called: start from 0
             self._use_cached_profile()
         now = time.perf_counter()
@@ -235,10 +259,7 @@ class CheckFreq:
         self._last_step_t = now  # an iteration runs from step() to step(): this step's own work counts
         self._pending_stall = 0.0
         self._persist.raise_if_failed()
-        if self._profiling is not None:
-            self._advance_profiling()
-        elif self._checkpoint_due():
-            self._checkpoint(self._is_epoch_end())
+        self._plan_and_apply()
         self._busy_after_step = self._persist.busy
         self._measured_before = self._measured_result is not None  # done before the next iteration began
 
@@ -247,7 +268,8 @@ class CheckFreq:
         profiling = self._profiling
         if profiling is not None:
             if profiling.measuring:  # until the measured persist is done (not a later epoch-end one)
-                self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before)
+                if self.iteration > self._measure_from:  # planned ahead: only once it was taken
+                    self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before)
             elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
                 self._quiet_done = profiling.record_quiet(iter_s)
         elif self._adaptive is not None:
@@ -255,50 +277,104 @@ class CheckFreq:
             if new_k is not None:
                 logger.info("adaptive rate: k %d -> %d (overhead %.2f%%)", self._k, new_k,
                             100 * (self._adaptive.last_overhead or 0))
-                self._k = new_k
-                self._stats.k_changes.append((self.iteration, new_k))
+                self._k = new_k  # recorded in k_changes when the action carrying it is applied
 
     def _since_start(self) -> int:
         return self.iteration - self._stats.first_iteration if self._stats.first_iteration is not None else 0
 
-    def _checkpoint_due(self) -> bool:
+    # ------------------------------------------------------- plan, then apply
+    def _plan_and_apply(self) -> None:
+        """The planner plans iteration now + lookahead; every rank applies what is due now."""
+        decisions = self._decisions
+        planned = self._plan(self.iteration + decisions.lookahead) if decisions.is_planner else None
+        action = decisions.exchange(planned)
+        if action is None:
+            return
+        if action.iteration != self.iteration:
+            raise RuntimeError(f"the decision channel handed iteration {self.iteration} the action planned "
+                               f"for iteration {action.iteration}")
+        self._execute(action)
+
+    def _plan(self, at: int) -> Action | None:
+        """What to do right after iteration ``at``. Its bookkeeping happens here, once, so
+        the same checkpoint is never planned twice; None when nothing is to be done."""
+        checkpoint = self._advance_profiling(at) if self._profiling is not None else self._plan_due(at)
+        if checkpoint is None and self._k == self._planned_k:
+            return None
+        self._planned_k = self._k
+        if checkpoint is None:
+            return Action(iteration=at, k=self._k)
+        epoch_boundary, codec = checkpoint
+        return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self._k)
+
+    def _plan_due(self, at: int) -> _Planned | None:
         if self._next_checkpoint is None:
-            return False
-        return self.iteration >= self._next_checkpoint or (
-            self.config.checkpoint_epoch_end and self._is_epoch_end()
-        )
+            return None
+        if at >= self._next_checkpoint or self._epoch_end_checkpoint(at):
+            return self._plan_checkpoint(at, self._is_epoch_end(at))
+        return None
 
-    def _is_epoch_end(self) -> bool:
+    def _epoch_end_checkpoint(self, at: int) -> bool:
+        return self.config.checkpoint_epoch_end and self._is_epoch_end(at)
+
+    def _is_epoch_end(self, at: int) -> bool:
         epoch_len = self.config.epoch_len
-        return epoch_len is not None and self.iteration % epoch_len == 0
+        return epoch_len is not None and at % epoch_len == 0
 
-    def _checkpoint(self, epoch_boundary: bool, codec: str | None = None) -> None:
-        started = time.perf_counter()
-        waited = self._persist.wait_idle()  # one in flight: this wait is stall
-        self._persist.raise_if_failed()
+    def _plan_checkpoint(self, at: int, epoch_boundary: bool, codec: str | None = None) -> _Planned:
         if codec is None:
-            codec = self._fixed_interval_codec()
-        snapshot = self._take_snapshot(epoch_boundary)
-        self._fence_handle = snapshot.copies
-        self._persist.submit(snapshot, codec=codec)
-        self._stats.checkpoints_started += 1
-        self._stats.persist_wait_s += waited
+            codec = self._fixed_interval_codec(at)
         if self._k is not None:
-            self._next_checkpoint = self.iteration + self._k
-        spent = time.perf_counter() - started
-        self._pending_stall += spent
-        self._stats.add_checkpoint_stall(spent)
+            self._next_checkpoint = at + self._k
+        return epoch_boundary, codec
 
-    def _fixed_interval_codec(self) -> str:
+    def _fixed_interval_codec(self, at: int) -> str:
         """The policy's codec, or with ``every``: raw until measurement says otherwise."""
         if self.profile is not None:
             return "rcfz" if self.profile.compress else "raw"
+        if at == self.iteration and self._codec_trial.decided is None:
+            # Applied in this step, whose checkpoint waits for the persist in flight anyway:
+            # wait now, so the trial sees that persist's time.
+            self._early_wait_s += self._persist.wait_idle()
         result = self._last_result
         if result is not None and self._k is not None:
             self._codec_trial.record(result.codec, result.seconds, self._k * self._stats.iteration_s())
         return self._codec_trial.next_codec()
 
-    def _take_snapshot(self, epoch_boundary: bool) -> Snapshot:
+    def _execute(self, action: Action) -> None:
+        self._apply_k(action)
+        if action.stop:
+            self.stop_requested = True
+        if action.checkpoint:
+            self._checkpoint(action)
+
+    def _apply_k(self, action: Action) -> None:
+        """Every rank records the same k history: the k each applied action carries."""
+        k = action.k
+        if k is None or k == self._k_applied:
+            return
+        if self._k_applied is not None:
+            self._stats.k_changes.append((action.iteration, k))
+        self._k_applied = k
+
+    def _checkpoint(self, action: Action) -> None:
+        started = time.perf_counter()
+        rng = self._seams.rng_state()  # on every rank, once per checkpoint: it may be a collective
+        if not self._seams.takes_snapshots:
+            return
+        early_wait, self._early_wait_s = self._early_wait_s, 0.0
+        waited = early_wait + self._persist.wait_idle()  # one in flight: this wait is stall
+        self._persist.raise_if_failed()
+        snapshot = self._take_snapshot(action.epoch_boundary, rng)
+        self._fence_handle = snapshot.copies
+        self._persist.submit(snapshot, **({} if action.codec is None else {"codec": action.codec}))
+        self._stats.checkpoints_started += 1
+        self._stats.persist_wait_s += waited
+        spent = time.perf_counter() - started + early_wait
+        self._pending_stall += spent
+        self._stats.add_checkpoint_stall(spent)
+
+    def _take_snapshot(self, epoch_boundary: bool, rng: Any) -> Snapshot:
         param_ptrs = {p.data_ptr() for p in self.model.parameters()}
         model_state = self.model.state_dict()
         live_params = {k: v for k, v in model_state.items() if v.data_ptr() in param_ptrs}
@@ -308,11 +384,11 @@ class CheckFreq:
             "optimizer": self.optimizer.state_dict(),
             "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
             "data": self.data.state_dict() if self.data is not None else None,
-            "rng": _rng_state(),
+            "rng": rng,
             "checkfreq": {
                 "iteration": self.iteration,
                 "optimizer_class": type(self.optimizer).__qualname__,
-                "k": self._k,
+                "k": self._k_applied,
             },
         }
         snapshot = self._snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
@@ -337,37 +413,35 @@ class CheckFreq:
             self._profiling.updates.append(time.perf_counter() - self._update_started)
 
     # -------------------------------------------------------------- profiling
-    def _advance_profiling(self) -> None:
+    def _advance_profiling(self, at: int) -> _Planned | None:
         """Quiet iterations, then one measured checkpoint per codec worth trying, then k."""
         profiling = self._profiling
         assert profiling is not None
         if not profiling.measuring:
             if self._quiet_done:
-                self._start_measuring(self._codec_trial.decided or "raw")
-            elif self.config.checkpoint_epoch_end and self._is_epoch_end():
-                self._checkpoint(True, codec=self._codec_trial.decided or "raw")
-            return
+                return self._start_measuring(at, self._codec_trial.decided or "raw")
+            if self._epoch_end_checkpoint(at):
+                return self._plan_checkpoint(at, True, codec=self._codec_trial.decided or "raw")
+            return None
         if not self._measure_done:
-            if self.config.checkpoint_epoch_end and self._is_epoch_end():
-                self._checkpoint(True, codec=profiling.codec)
-            return
+            if self._epoch_end_checkpoint(at):
+                return self._plan_checkpoint(at, True, codec=profiling.codec)
+            return None
         self._measure_done = False
         result = self._measured_result
         if result is None:  # that persist failed (raised at a step): measure another
             codec = profiling.codec
             assert codec is not None
-            self._start_measuring(codec)
-            return
-        self._finish_measuring(profiling, result)
+            return self._start_measuring(at, codec)
+        return self._finish_measuring(at, profiling, result)
 
-    def _finish_measuring(self, profiling: ProfilingWindow, result: PersistResult) -> None:
+    def _finish_measuring(self, at: int, profiling: ProfilingWindow, result: PersistResult) -> _Planned | None:
         """Decide from what was measured, or measure the compressed codec first."""
         if profiling.needs_warm_measurement():
             codec = profiling.codec
             assert codec is not None
             profiling.discard_cold()
-            self._start_measuring(codec)
-            return
+            return self._start_measuring(at, codec)
         measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
         self._stats.profiling_s += measured.interference_s
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
@@ -375,20 +449,21 @@ class CheckFreq:
                      for codec, m in profiling.measured.items()}
         if (measured.codec == "raw" and self._codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
-            self._start_measuring("rcfz")
-            return
+            return self._start_measuring(at, "rcfz")
         codec = choose_codec({c: d for c, (_, d) in decisions.items()}) if "raw" in decisions else measured.codec
         self._profiling = None
         self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
         self.store.write_metadata(PROFILE_NAME, {"profile": decisions[codec][0].to_json(),
                                                  "decision": vars(self.decision), "fingerprint": self._fingerprint()})
+        return None
 
-    def _start_measuring(self, codec: str) -> None:
+    def _start_measuring(self, at: int, codec: str) -> _Planned:
         assert self._profiling is not None
         self._profiling.start_measuring(codec)
         self._measured_result = None
-        self._last_checkpoint_iteration = self.iteration  # before the persist can report
-        self._checkpoint(self._is_epoch_end(), codec=codec)
+        self._last_checkpoint_iteration = at  # before the persist can report
+        self._measure_from = at
+        return self._plan_checkpoint(at, self._is_epoch_end(at), codec=codec)
 
     def _live_tensors(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + tensors_in(self.optimizer.state_dict()["state"])
@@ -452,7 +527,7 @@ class CheckFreq:
         s = self._stats
         return {
             "mode": self.decision.mode if self.decision else self._snapshotter.mode,
-            "k": self._k,
+            "k": self._k_applied,
             "iteration": self.iteration,
             "checkpoints_committed": s.checkpoints_committed,
             "stall_s_total": s.stall_s,
@@ -563,25 +638,6 @@ def _check_stateful(name: str, obj: Any) -> None:
         return
     if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
         raise TypeError(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict()")
-
-
-def _rng_state() -> dict:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:

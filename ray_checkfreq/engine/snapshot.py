@@ -21,13 +21,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ray_checkfreq.engine.devices import CudaOps, DeviceOps
 from ray_checkfreq.storage.tree import KeyPath, StateVisitor, leaves_of, walk_state
+
+if TYPE_CHECKING:
+    from ray_checkfreq.engine.seams import HostMemory
 
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -107,6 +110,7 @@ class Snapshot:
     epoch_boundary: bool
     copies: CopyHandle
     size_bytes: int
+    memory: Any = None  # the HostMemory token whose views hold this snapshot's host buffers
 
 
 class Snapshotter:
@@ -115,13 +119,17 @@ class Snapshotter:
     ``mode`` "cpu" copies into (pinned, for device sources) host memory; "gpu" into spare
     memory on the source's device, moved to pinned host buffers by the persist phase. One
     snapshot may be in flight: the caller must not take the next before the persist phase
-    of the previous one has finished.
+    of the previous one has finished. With ``host_memory``, every tensor's host buffer is
+    the view it hands out for that snapshot (the copy target in "cpu" mode, the target of
+    the move to the host in "gpu" mode); none is allocated here.
     """
 
-    def __init__(self, mode: str = "cpu", *, ops: DeviceOps | None = None) -> None:
+    def __init__(self, mode: str = "cpu", *, ops: DeviceOps | None = None,
+                 host_memory: HostMemory | None = None) -> None:
         _check_mode(mode)
         self.mode = mode
         self.ops: DeviceOps = ops if ops is not None else CudaOps()
+        self.host_memory = host_memory
         self._buffers: dict[KeyPath, tuple[torch.Tensor, Any]] = {}  # (buffer, where it lives)
         self._host_buffers: dict[KeyPath, torch.Tensor] = {}
         self._host = HostCopier()
@@ -136,7 +144,8 @@ class Snapshotter:
     def take(self, step: int, live: Mapping[str, Any], async_keys: set[str], *,
              epoch_boundary: bool = False) -> Snapshot:
         """Snapshot ``live``: top-level entries in ``async_keys`` copy in the background."""
-        copier = _SnapshotCopier(self, async_keys)
+        memory, views = self._prepare_host_memory(step, live)
+        copier = _SnapshotCopier(self, async_keys, views)
         state = walk_state(live, copier)
         handle = CopyHandle(self.ops)
         self._launch_device_copies(copier, handle)
@@ -144,7 +153,15 @@ class Snapshotter:
             self._host.submit(copier.host_pairs, handle)
         else:
             handle._host_done.set()
-        return Snapshot(step=step, state=state, epoch_boundary=epoch_boundary, copies=handle, size_bytes=copier.size)
+        return Snapshot(step=step, state=state, epoch_boundary=epoch_boundary, copies=handle, size_bytes=copier.size,
+                        memory=memory)
+
+    def _prepare_host_memory(self, step: int, live: Mapping[str, Any]) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
+        if self.host_memory is None:
+            return None, {}
+        layout = [(path, tuple(leaf.shape), leaf.dtype)
+                  for path, _, leaf in leaves_of(live) if isinstance(leaf, torch.Tensor)]
+        return self.host_memory.prepare(step, layout)
 
     def _launch_device_copies(self, copier: _SnapshotCopier, handle: CopyHandle) -> None:
         devices = list(dict.fromkeys([*copier.device_pairs, *copier.to_host_pairs]))
@@ -194,9 +211,10 @@ def _check_mode(mode: str) -> None:
 class _SnapshotCopier(StateVisitor[Any]):
     """Builds the snapshot's tree of buffers and collects the copies to run."""
 
-    def __init__(self, owner: Snapshotter, async_keys: set[str]) -> None:
+    def __init__(self, owner: Snapshotter, async_keys: set[str], views: dict[KeyPath, torch.Tensor]) -> None:
         self.owner = owner
         self.async_keys = async_keys
+        self.views = views
         self.host_pairs: CopyPairs = []
         self.device_pairs: dict[Any, CopyPairs] = {}
         self.to_host_pairs: dict[Any, CopyPairs] = {}
@@ -212,7 +230,7 @@ class _SnapshotCopier(StateVisitor[Any]):
         owner = self.owner
         device = owner.ops.device_of(src)
         on_device = device is not None and owner.mode == "gpu"
-        dst = owner.buffer(path, src, device)
+        dst = owner.buffer(path, src, device) if on_device else self._host_target(path, src, device)
         if not path or path[0] not in self.async_keys:
             with torch.no_grad():
                 dst.copy_(src)  # on the current stream, ahead of anything queued later
@@ -222,9 +240,19 @@ class _SnapshotCopier(StateVisitor[Any]):
             self.host_pairs.append((src, dst))
         if not on_device:
             return dst
-        host = owner.host_buffer(path, src)
+        host = self._view(path, src) if path in self.views else owner.host_buffer(path, src)
         self.to_host_pairs.setdefault(device, []).append((dst, host))
         return host
+
+    def _host_target(self, path: KeyPath, src: torch.Tensor, device: Any) -> torch.Tensor:
+        return self._view(path, src) if path in self.views else self.owner.buffer(path, src, device)
+
+    def _view(self, path: KeyPath, src: torch.Tensor) -> torch.Tensor:
+        view = self.views[path]
+        if view.shape != src.shape or view.dtype != src.dtype:
+            raise ValueError(f"host memory for {path!r}: got {tuple(view.shape)} {view.dtype}, "
+                             f"the state has {tuple(src.shape)} {src.dtype}")
+        return view
 
     def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
         return value

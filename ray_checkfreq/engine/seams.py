@@ -1,0 +1,188 @@
+"""Where the engine meets the layer above it: decisions, host memory, persist, RNG states.
+
+``CheckFreq`` takes these by injection (``EngineSeams``); with the defaults it plans and
+applies its own decisions in the same step, snapshots into its own buffers and persists
+in its own thread. The Ray layer replaces them: rank 0 plans, every rank applies the
+same ``Action`` at the same iteration (``lookahead`` iterations after it was planned),
+snapshots go into memory a node agent owns, and the agent persists them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from ray_checkfreq.storage.tree import KeyPath
+
+if TYPE_CHECKING:
+    from ray_checkfreq.engine.persist import PersistResult
+    from ray_checkfreq.engine.snapshot import Snapshot
+    from ray_checkfreq.storage import CheckpointStore
+
+CODECS = ("raw", "rcfz")  # Action.codec <-> its index in the int encoding
+ACTION_INTS = 5  # present, iteration, flags, codec, k
+NO_ACTION_INTS: tuple[int, ...] = (0,) * ACTION_INTS
+_INT64_MAX = 2**63 - 1
+_CHECKPOINT, _EPOCH_BOUNDARY, _STOP = 1, 2, 4
+_ALL_FLAGS = _CHECKPOINT | _EPOCH_BOUNDARY | _STOP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Action:
+    """What every rank does right after ``step()`` counted ``iteration`` (1-based)."""
+
+    iteration: int
+    checkpoint: bool = False
+    epoch_boundary: bool = False
+    codec: str | None = None  # None: the store's default
+    k: int | None = None  # the k in force; None while it is still being profiled
+    stop: bool = False  # a preemption: the engine only records it (stop_requested)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) \
+                or not 1 <= self.iteration <= _INT64_MAX:
+            raise ValueError(f"Action(iteration={self.iteration!r}): must be an int in [1, 2**63)")
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                   or not 1 <= self.k <= _INT64_MAX):
+            raise ValueError(f"Action(k={self.k!r}): must be None or an int in [1, 2**63)")
+        if self.codec is not None and self.codec not in CODECS:
+            raise ValueError(f"Action(codec={self.codec!r}): must be None or one of {CODECS}")
+
+    def to_ints(self) -> list[int]:
+        """``ACTION_INTS`` int64 values (-1 for None); ``from_ints`` inverts it."""
+        flags = (_CHECKPOINT * self.checkpoint) | (_EPOCH_BOUNDARY * self.epoch_boundary) | (_STOP * self.stop)
+        codec = -1 if self.codec is None else CODECS.index(self.codec)
+        return [1, self.iteration, flags, codec, -1 if self.k is None else self.k]
+
+    @classmethod
+    def from_ints(cls, values: Sequence[int]) -> Action | None:
+        """The action ``to_ints`` encoded, or None for ``NO_ACTION_INTS``."""
+        ints = [int(v) for v in values]
+        if len(ints) != ACTION_INTS:
+            raise ValueError(f"an encoded action has {ACTION_INTS} ints, got {len(ints)}: {ints}")
+        present, iteration, flags, codec, k = ints
+        if present == 0:
+            return None
+        if present != 1 or not 0 <= flags <= _ALL_FLAGS or not -1 <= codec < len(CODECS) or k == 0 or k < -1:
+            raise ValueError(f"not an encoded action: {ints}")
+        return cls(iteration=iteration, checkpoint=bool(flags & _CHECKPOINT),
+                   epoch_boundary=bool(flags & _EPOCH_BOUNDARY), stop=bool(flags & _STOP),
+                   codec=None if codec == -1 else CODECS[codec], k=None if k == -1 else k)
+
+
+class DecisionChannel(Protocol):
+    """How the planner's actions reach every rank."""
+
+    lookahead: int  # iterations between planning an action and applying it
+    is_planner: bool  # True on the one rank that plans
+
+    def exchange(self, planned: Action | None) -> Action | None:
+        """Hand over the planner's action for iteration now + lookahead (None elsewhere);
+        returns the action to apply now (None: nothing)."""
+        ...
+
+
+class LocalDecisions:
+    """One process plans and applies in the same step."""
+
+    lookahead = 0
+    is_planner = True
+
+    def exchange(self, planned: Action | None) -> Action | None:
+        return planned
+
+
+Layout = list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
+
+
+class HostMemory(Protocol):
+    """Host memory a snapshot's tensors are copied into (say, a node agent's shared slot)."""
+
+    def prepare(self, step: int, layout: Layout) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
+        """Called as each snapshot starts with every tensor leaf (path, shape, dtype), in walk
+        order. Returns a token (``Snapshot.memory``) and a host view per path, which the
+        snapshot uses as its host buffer for that path."""
+        ...
+
+
+class Persister(Protocol):
+    """Phase 2 of a checkpoint: ``PersistWorker`` is the in-process one."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None: ...
+
+    def wait_idle(self) -> float: ...
+
+    def raise_if_failed(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+PersisterFactory = Callable[["CheckpointStore", Callable[["PersistResult"], None]], Persister]
+
+
+def local_rng_state() -> dict:
+    """This process's torch, numpy, Python (and CUDA, once initialized) RNG states."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_local_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(kw_only=True)
+class EngineSeams:
+    """The ray layer's hook into ``CheckFreq``; the defaults are the single-process engine.
+
+    ``takes_snapshots=False``: a rank that applies every action (and calls ``rng_state``,
+    which may be a collective, once per checkpoint action) but neither snapshots nor
+    persists.
+    """
+
+    decisions: DecisionChannel = field(default_factory=LocalDecisions)
+    persister: PersisterFactory | None = None  # None: PersistWorker(store, on_done=...)
+    host_memory: HostMemory | None = None  # None: the Snapshotter's own buffers
+    rng_state: Callable[[], Any] = local_rng_state
+    set_rng_state: Callable[[Any], None] = set_local_rng_state
+    takes_snapshots: bool = True
+
+    def __post_init__(self) -> None:
+        lookahead = self.decisions.lookahead
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"decisions.lookahead={lookahead!r}: must be an int >= 0")
+
+
+class NullPersister:
+    """The persister of a rank that takes no snapshots: never busy, refuses work."""
+
+    busy = False
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None:
+        raise RuntimeError("this rank takes no snapshots (EngineSeams.takes_snapshots=False)")
+
+    def wait_idle(self) -> float:
+        return 0.0
+
+    def raise_if_failed(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
