@@ -198,7 +198,8 @@ def test_mismatched_state_is_a_clear_error(field, value):
 
 def test_state_is_a_few_integers():
     state = resumable(12, batch_size=3, seed=2).state_dict()
-    assert set(state) == {"version", "epoch", "consumed", "num_samples", "seed", "order", "world_size", "batch_size"}
+    assert set(state) == {"version", "epoch", "consumed", "num_samples", "seed", "order", "world_size", "batch_size",
+                          "global_batch_size"}
 
 
 # -- per-sample seeds ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ray_checkfreq.data.context import train_context
 from ray_checkfreq.data.core import STATE_VERSION, DataState, DataStateError, RankSlice, Sharding, rank_slices
 from ray_checkfreq.data.factory import resumable
+from ray_checkfreq.data.guards import refuse_distributed_sampler
 from ray_checkfreq.data.index import IndexIterator
 from ray_checkfreq.data.iterator import ResumableIterator
 from ray_checkfreq.data.order import FullOrder, WindowedOrder, epoch_rng
@@ -59,6 +60,7 @@ __all__ = [
     "WindowedOrder",
     "epoch_rng",
     "rank_slices",
+    "refuse_distributed_sampler",
     "resumable",
     "sample_rng",
     "sample_seeds",

@@ -19,6 +19,13 @@ p >= 3*B samples left continues with full batches on W=3.
 An epoch is complete when nothing is left (or, with drop_last, less than G): the state
 then reads (epoch + 1, consumed 0), so a checkpoint taken right after the last batch
 resumes with the next epoch.
+
+Two batch modes, recorded in the state as ``global_batch_size`` (None in per-rank mode):
+- fixed G (``Sharding.for_global_batch``): B = G / W, so global batch g covers the same
+  epoch positions at every world size; a resume re-derives B from G and the new W and
+  refuses a state saved under another G.
+- per-rank B: G = B * W changes with W; a resume keeps B and refuses a state saved under
+  another B (a different B is what fixed G is for).
 """
 
 from __future__ import annotations
@@ -54,6 +61,27 @@ class Sharding:
     world_size: int = 1
     rank: int = 0
     drop_last: bool = False
+    global_batch_fixed: bool = False
+
+    @classmethod
+    def for_global_batch(
+        cls, global_batch_size: int, *, world_size: int = 1, rank: int = 0, drop_last: bool = False
+    ) -> Sharding:
+        """Each of ``world_size`` ranks takes ``global_batch_size // world_size`` samples."""
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if world_size < 1 or global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by world_size={world_size}: "
+                "pick a global batch size that every possible world size divides"
+            )
+        return cls(
+            batch_size=global_batch_size // world_size,
+            world_size=world_size,
+            rank=rank,
+            drop_last=drop_last,
+            global_batch_fixed=True,
+        )
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -66,6 +94,11 @@ class Sharding:
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
+
+    @property
+    def fixed_global_batch(self) -> int | None:
+        """G when it was fixed by the caller, None when the per-rank size was."""
+        return self.global_batch if self.global_batch_fixed else None
 
     def epoch_done(self, num_samples: int, consumed: int) -> bool:
         left = num_samples - consumed
@@ -109,6 +142,7 @@ class DataState:
     order: str
     world_size: int
     batch_size: int
+    global_batch_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +154,7 @@ class DataState:
             "order": self.order,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
+            "global_batch_size": self.global_batch_size,
         }
 
     @classmethod
@@ -138,6 +173,7 @@ class DataState:
             raise DataStateError("epoch", epoch, "an integer >= 0")
         if not isinstance(consumed, int) or not 0 <= consumed <= expect.num_samples:
             raise DataStateError("consumed", consumed, f"an integer in [0, {expect.num_samples}]")
+        _check_batch_mode(state, expect)
         return cls(
             epoch=epoch,
             consumed=consumed,
@@ -146,4 +182,15 @@ class DataState:
             order=expect.order,
             world_size=int(state.get("world_size", expect.world_size)),
             batch_size=int(state.get("batch_size", expect.batch_size)),
+            global_batch_size=expect.global_batch_size,
         )
+
+
+def _check_batch_mode(state: Mapping[str, Any], expect: DataState) -> None:
+    """Fixed G must match G (B is re-derived from the new W); per-rank B must match B."""
+    saved_global = state.get("global_batch_size")  # absent in states from before fixed G
+    if saved_global != expect.global_batch_size:
+        expected = expect.global_batch_size or f"None (per-rank batch_size={expect.batch_size})"
+        raise DataStateError("global_batch_size", saved_global, expected)
+    if saved_global is None and "batch_size" in state and state["batch_size"] != expect.batch_size:
+        raise DataStateError("batch_size", state["batch_size"], expect.batch_size)

@@ -8,6 +8,7 @@ from typing import Any
 
 from ray_checkfreq.data.context import train_context
 from ray_checkfreq.data.core import Sharding
+from ray_checkfreq.data.guards import refuse_data_loader
 from ray_checkfreq.data.iterator import ResumableIterator
 
 
@@ -35,7 +36,8 @@ def _is_torch_dataset(source: Any) -> bool:
 def resumable(
     source: Any,
     *,
-    batch_size: int,
+    batch_size: int | None = None,
+    global_batch_size: int | None = None,
     seed: int = 0,
     rank: int | None = None,
     world_size: int | None = None,
@@ -48,14 +50,18 @@ def resumable(
 
     ``source``: a ``ray.data.Dataset`` (RayDataIterator), a ``DaliSource`` (DaliIterator),
     a map-style ``torch.utils.data.Dataset`` (TorchIterator) or an ``int`` sample count
-    (IndexIterator, batches of global indices). ``rank``/``world_size`` default to the
-    Ray Train context, else 0 and 1. ``options`` is the front end's options dataclass.
+    (IndexIterator, batches of global indices); never a DataLoader (pass its Dataset).
+    Give exactly one of ``batch_size`` (per rank; the global batch is batch_size * W) and
+    ``global_batch_size`` (G, fixed; each of W ranks takes G // W, W must divide G).
+    ``rank``/``world_size`` default to the Ray Train context, else 0 and 1. ``options`` is
+    the front end's options dataclass.
     """
+    refuse_data_loader(source, "the source of resumable()")
     if (rank is None) != (world_size is None):
         raise ValueError(f"give both rank and world_size or neither, got rank={rank}, world_size={world_size}")
     if rank is None or world_size is None:
         rank, world_size = train_context() or (0, 1)
-    sharding = Sharding(batch_size=batch_size, world_size=world_size, rank=rank, drop_last=drop_last)
+    sharding = _sharding(batch_size, global_batch_size, world_size=world_size, rank=rank, drop_last=drop_last)
     common: dict[str, Any] = dict(sharding=sharding, seed=seed, shuffle=shuffle)
     if isinstance(source, bool) or not _known(source):
         raise TypeError(
@@ -79,6 +85,20 @@ def resumable(
     from ray_checkfreq.data.torch_loader import TorchIterator, TorchLoaderOptions
 
     return TorchIterator(source, transform=transform, options=_checked(options, TorchLoaderOptions), **common)
+
+
+def _sharding(
+    batch_size: int | None, global_batch_size: int | None, *, world_size: int, rank: int, drop_last: bool
+) -> Sharding:
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError(
+            "give exactly one of batch_size (per rank) and global_batch_size (all ranks), "
+            f"got batch_size={batch_size}, global_batch_size={global_batch_size}"
+        )
+    if global_batch_size is not None:
+        return Sharding.for_global_batch(global_batch_size, world_size=world_size, rank=rank, drop_last=drop_last)
+    assert batch_size is not None
+    return Sharding(batch_size=batch_size, world_size=world_size, rank=rank, drop_last=drop_last)
 
 
 def _checked(options: Any, kind: type) -> Any:

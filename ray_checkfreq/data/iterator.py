@@ -74,6 +74,7 @@ class ResumableIterator:
             order=self._order(0).fingerprint(),
             world_size=self.sharding.world_size,
             batch_size=self.sharding.batch_size,
+            global_batch_size=self.sharding.fixed_global_batch,
         )
 
     def _roll_if_done(self) -> None:
