@@ -165,6 +165,21 @@ def test_sigkill_mid_copy_leaves_a_slot_that_is_never_restored(tmp_path):
     assert_same_state(expected_a, restored)
 
 
+def test_finish_interrupted_before_its_checksum_is_stored_stays_writing(tmp_path, monkeypatch):
+    slot = make_slot(str(tmp_path / "rcf-a"))
+    write_complete(slot, step=1, fill=1.0)
+
+    def die(*args):
+        raise KeyboardInterrupt("killed while sealing")
+
+    monkeypatch.setattr(MappedSlot, "_data_crc", die)
+    with pytest.raises(KeyboardInterrupt):
+        write_complete(slot, step=2, fill=2.0)
+    assert slot.header().state == SLOT_WRITING
+    with pytest.raises(SlotError, match="WRITING"):
+        slot.read()
+
+
 def test_finish_without_begin_is_refused(tmp_path):
     slot = make_slot(str(tmp_path / "rcf-a"))
     with pytest.raises(SlotError, match="EMPTY"):
@@ -322,6 +337,37 @@ def test_header_after_create_and_bad_names(tmp_path):
     assert not os.path.exists(tmp_path / "rcf-b")
     with pytest.raises(FileExistsError):
         make_slot(path)
+
+
+class _FakeCudart:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+        return 0
+
+
+def test_pinning_is_a_no_op_without_cuda_and_undone_on_close(tmp_path, monkeypatch):
+    slot = make_slot(str(tmp_path / "rcf-a"))
+    if not torch.cuda.is_available():
+        assert slots.register_pinned(slot) is False
+        slots.unregister_pinned(slot)
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    views = slot.begin_write(step=1, generation=1, layout=LAYOUT)
+    assert slots.register_pinned(slot)
+    (_, address, nbytes), = fake.calls
+    assert address == views[("model", "w")].data_ptr() - slots.HEADER_BYTES
+    assert nbytes == slot_file_bytes(LAYOUT)
+    slot.close()
+    slot.close()
+    assert fake.calls[1:] == [("unregister", address)]
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

@@ -291,6 +291,7 @@ class MappedSlot:
     def __init__(self, path: str, mapping: mmap.mmap) -> None:
         self.path = path
         self._mapping: mmap.mmap | None = mapping
+        self._pinned = False
         base = np.frombuffer(mapping, dtype=np.uint8, count=1)
         self._data_address = base.ctypes.data + HEADER_BYTES
         del base
@@ -374,6 +375,8 @@ class MappedSlot:
 
     def close(self) -> None:
         """Unmap now, or, while views are alive, when the last of them goes."""
+        if self._pinned and self._mapping is not None:
+            unregister_pinned(self)
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
             try:
@@ -496,15 +499,31 @@ def _decode_leaf(record: dict, data: Any, data_offset: int, used: int, tail: mem
 
 
 # ------------------------------------------------------------------ GPU pinning
-def register_pinned(tensor: torch.Tensor) -> bool:
-    """Page-lock a host view for fast device copies (per process); False where there is no CUDA."""
-    if not torch.cuda.is_available() or tensor.numel() == 0:
+def register_pinned(target: torch.Tensor | MappedSlot) -> bool:
+    """Page-lock a whole slot mapping (or one host view) for fast device copies, in this
+    process; False where there is no CUDA or the driver refused. ``MappedSlot.close``
+    unregisters a registered slot before unmapping it."""
+    address, nbytes = _span(target)
+    if not torch.cuda.is_available() or nbytes == 0:
         return False
-    nbytes = tensor.numel() * tensor.element_size()
-    return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)) == 0
+    pinned = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0
+    if pinned and isinstance(target, MappedSlot):
+        target._pinned = True
+    return pinned
 
 
-def unregister_pinned(tensor: torch.Tensor) -> None:
-    """Undo ``register_pinned``; must run before the mapping is closed."""
-    if torch.cuda.is_available() and tensor.numel() > 0:
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+def unregister_pinned(target: torch.Tensor | MappedSlot) -> None:
+    """Undo ``register_pinned``; must run before the memory is unmapped."""
+    address, nbytes = _span(target)
+    if isinstance(target, MappedSlot):
+        if not target._pinned:
+            return
+        target._pinned = False
+    if torch.cuda.is_available() and nbytes > 0:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _span(target: torch.Tensor | MappedSlot) -> tuple[int, int]:
+    if isinstance(target, MappedSlot):
+        return target._data_address - HEADER_BYTES, len(target._mm)
+    return target.data_ptr(), target.numel() * target.element_size()
