@@ -15,20 +15,46 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Fast dead-node detection, so tests that remove a node see it within seconds.
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                      "health_check_timeout_ms": 500}
+TRAIN_ENV = {
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
 @pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray cluster shared by every test that needs one."""
+def ray_cluster():
+    """One local multi-node Ray cluster (``ray.cluster_utils.Cluster``) for the whole session.
+
+    The head (the driver's node, never removed) runs the Ray Data tests; Train tests add
+    worker nodes of their own (``train_nodes``) and remove them again.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ.update(TRAIN_ENV)
+    # Raylets (and so every worker) inherit this: workers import the tests' training jobs.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "object_store_memory": 400 << 20, "_system_config": FAST_HEALTH_CHECKS,
+        "include_dashboard": False,
+    })
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """A Ray cluster shared by every test that needs one (the ``ray`` module, connected)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
     yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

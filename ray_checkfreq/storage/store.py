@@ -199,6 +199,11 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r}, keep_last={self.config.keep_last})"
 
+    def with_writer(self, generation: int) -> CheckpointStore:
+        """A store on the same URI and settings that writes as ``generation`` (handed over)."""
+        uri, filesystem, s3 = self._init_args
+        return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation)
+
     # ------------------------------------------------------------------ writing
     def save(
         self,

@@ -1,0 +1,246 @@
+"""NodeAgent: one actor per node and run that owns the snapshot slots and persists them.
+
+Training ranks on the node map the agent's slot files and copy their snapshot straight
+into them; the agent encodes, writes and commits a COMPLETE slot in its own process, so
+a persist that started finishes even if the rank that asked for it dies. Slot files are
+named by run, node and agent incarnation, and removed by the agent that made them; files
+of dead agents are swept by creator pid and start time (``slots.sweep_leftovers``).
+
+Invariant: one persist in flight per agent; a persist writes under the writer generation
+the request carries, so a persist of an older generation than the store's newest fails
+(fenced) instead of overwriting a newer run's view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from ray_checkfreq.ray import slots
+from ray_checkfreq.storage import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.ray")
+
+NAMESPACE = "ray_checkfreq"
+SLOT_PREFIX = "rcf-"
+
+
+def run_key(experiment: str) -> str:
+    """A short, file-name-safe key for a run (the experiment's storage path)."""
+    return hashlib.blake2b(experiment.encode(), digest_size=6).hexdigest()
+
+
+def agent_name(run: str, node_id: str) -> str:
+    return f"rcf-agent:{run}:{node_id}"
+
+
+def agent_prefix(run: str) -> str:
+    return f"rcf-agent:{run}:"
+
+
+class NodeAgent:
+    """The actor class (wrapped with ``ray.remote`` by ``agent_actor``)."""
+
+    def __init__(self, run: str, node_id: str, *, shm_dir: str = "/dev/shm", slot_count: int = 2,
+                 lease_s: float | None = None) -> None:
+        self.run = run
+        self.node_id = node_id
+        self.shm_dir = shm_dir
+        self.slot_count = slot_count
+        self.incarnation = random.getrandbits(31)
+        self._lock = threading.Lock()  # guards the slot table
+        self._persist_lock = threading.Lock()  # one persist in flight
+        self._slots: dict[str, slots.MappedSlot] = {}
+        self._layout_version = 0
+        self._stores: dict[tuple[str, int], CheckpointStore] = {}
+        self._in_flight: int | None = None
+        self._hold_s = 0.0
+        self._lease_s = lease_s
+        self._renewed = time.monotonic()
+        self._persists = 0
+        swept = slots.sweep_leftovers(shm_dir, SLOT_PREFIX)
+        if swept:
+            logger.info("node agent %s: removed %d slot files of dead agents", node_id[:8], len(swept))
+        if lease_s is not None:
+            threading.Thread(target=self._watch_lease, name="rcf-lease", daemon=True).start()
+
+    # ------------------------------------------------------------------ slots
+    def info(self) -> dict:
+        return {"node_id": self.node_id, "pid": os.getpid(), "incarnation": self.incarnation,
+                "shm_free_bytes": slots.shm_free_bytes(self.shm_dir)}
+
+    def allocate(self, data_bytes: int, meta_capacity: int) -> list[str]:
+        """Paths of this agent's slots, with room for ``data_bytes``; new files only when needed.
+
+        Old files are dropped (ranks that mapped them keep their mapping until they remap).
+        """
+        with self._lock:
+            current = list(self._slots.values())
+            if current and all(s.header().data_capacity >= data_bytes and s.header().meta_capacity >= meta_capacity
+                               for s in current):
+                return [s.path for s in current]
+            needed = self.slot_count * (data_bytes + meta_capacity + 4096)
+            free = slots.shm_free_bytes(self.shm_dir) + sum(os.path.getsize(s.path) for s in current)
+            if free < needed:
+                raise slots.SlotError(self.shm_dir, f"{needed} bytes needed for {self.slot_count} slots, "
+                                      f"{free} free")
+            self._layout_version += 1
+            fresh = {}
+            for letter in "AB"[:self.slot_count]:
+                path = os.path.join(self.shm_dir, f"{SLOT_PREFIX}{self.run}-{self.node_id[:12]}-"
+                                    f"{self.incarnation:08x}-{self._layout_version}-{letter}")
+                slots.create_slot_file(path, run=self.run, node=self.node_id, incarnation=self.incarnation,
+                                       data_capacity=data_bytes, meta_capacity=meta_capacity)
+                fresh[path] = slots.MappedSlot.open(path)
+            for old in current:
+                if self._in_flight is None:
+                    self._remove(old)
+            self._slots = fresh
+            return list(fresh)
+
+    def slot_headers(self) -> list[dict]:
+        """Every slot's header (state, step, seq, generation, ...) plus its path."""
+        with self._lock:
+            return [{"path": path, **asdict(slot.header())} for path, slot in self._slots.items()]
+
+    # ---------------------------------------------------------------- persist
+    def persist(self, path: str, seq: int, store: CheckpointStore, generation: int, *, codec: str | None = None,
+                epoch_boundary: bool = False) -> dict:
+        """Encode, write and commit the COMPLETE slot ``path`` (it must still hold ``seq``)."""
+        with self._persist_lock:
+            start = time.perf_counter()
+            slot = self._slot(path)
+            header, state = slot.read()
+            if header.seq != seq:
+                raise slots.SlotError(path, f"holds snapshot #{header.seq}, the request was for #{seq}")
+            self._in_flight = header.step
+            try:
+                hold, self._hold_s = self._hold_s, 0.0
+                if hold:
+                    time.sleep(hold)
+                writer = self._writer(store, generation)
+                ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec)
+            finally:
+                self._in_flight = None
+                del state
+            self._persists += 1
+            return {"step": header.step, "seconds": time.perf_counter() - start, "stored_bytes": ref.size_bytes,
+                    "raw_bytes": header.data_bytes, "uri": ref.uri, "codec": codec or writer.config.codec,
+                    "node_id": self.node_id}
+
+    def _slot(self, path: str) -> slots.MappedSlot:
+        with self._lock:
+            slot = self._slots.get(path)
+        if slot is None:
+            raise slots.SlotError(path, f"not a slot of the agent on node {self.node_id[:12]}")
+        return slot
+
+    def _writer(self, store: CheckpointStore, generation: int) -> CheckpointStore:
+        """One store per (URI, generation): keeps its delta base from one persist to the next."""
+        key = (store.uri, generation)
+        writer = self._stores.get(key)
+        if writer is None:
+            writer = store.with_writer(generation)
+            self._stores = {key: writer}
+        return writer
+
+    def in_flight(self) -> int | None:
+        """The step being persisted, or None."""
+        return self._in_flight
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no persist is in flight; False after ``timeout_s``."""
+        acquired = self._persist_lock.acquire(timeout=timeout_s)
+        if acquired:
+            self._persist_lock.release()
+        return acquired
+
+    def hold_persist(self, seconds: float) -> None:
+        """Tests: make the next persist wait ``seconds`` after reading its slot."""
+        self._hold_s = float(seconds)
+
+    # ------------------------------------------------------------ lifetime
+    def renew(self) -> None:
+        self._renewed = time.monotonic()
+
+    def _watch_lease(self) -> None:
+        assert self._lease_s is not None
+        while True:
+            time.sleep(min(5.0, self._lease_s / 4))
+            if time.monotonic() - self._renewed > self._lease_s and self._in_flight is None:
+                logger.warning("node agent %s: no rank renewed its lease for %.0f s; exiting",
+                               self.node_id[:8], self._lease_s)
+                self._remove_all()
+                os._exit(0)
+
+    def shutdown(self) -> None:
+        """Wait for the persist in flight (bounded), remove the slot files, and exit."""
+        self.wait_idle(60.0)
+        self._remove_all()
+        ray.actor.exit_actor()
+
+    def _remove_all(self) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                self._remove(slot)
+            self._slots = {}
+
+    @staticmethod
+    def _remove(slot: slots.MappedSlot) -> None:
+        slot.close()
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+
+
+def agent_actor() -> Any:
+    """The NodeAgent as a Ray actor class: no CPU, threaded so it answers while it persists."""
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "max_restarts": 0}
+    return ray.remote(**options)(NodeAgent)
+
+
+def get_or_create_agent(run: str, node_id: str, *, lease_s: float | None, slot_count: int = 2) -> Any:
+    """This run's agent on ``node_id``: the live one, or a new detached one pinned there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    name = agent_name(run, node_id)
+    return agent_actor().options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(run, node_id, slot_count=slot_count, lease_s=lease_s)
+
+
+def live_agents(run: str) -> dict[str, Any]:
+    """{node id: handle} of this run's agents that the GCS still lists."""
+    prefix = agent_prefix(run)
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
+            try:
+                found[entry["name"][len(prefix):]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            except ValueError:  # died between the listing and the lookup
+                continue
+    return found
+
+
+def shutdown_agents(run: str, timeout_s: float = 30.0) -> int:
+    """Stop every agent of ``run`` (each removes its slot files); returns how many were found."""
+    agents = live_agents(run)
+    refs = {node: handle.shutdown.remote() for node, handle in agents.items()}
+    for node, ref in refs.items():
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            pass  # exited, as asked
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            ray.kill(agents[node])
+    return len(agents)

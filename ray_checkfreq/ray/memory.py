@@ -1,0 +1,104 @@
+"""Snapshots into the node agent's shared-memory slots, and persists the agent runs.
+
+``SlotMemory`` is the engine's host memory: a snapshot's tensors are copied straight from
+the model into views of the agent's slot file (one copy). Slots alternate (A/B), so the
+newest COMPLETE slot stays intact while the next snapshot is written into the other.
+``SlotPersister`` is the engine's persister: once the copies landed it seals the slot
+(meta, checksum, COMPLETE last) and, on the rank that persists, asks the agent to commit
+it; on a replica rank sealing is all there is to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+
+from ray_checkfreq.engine.persist import PersistResult, PersistWorker
+from ray_checkfreq.engine.snapshot import Snapshot
+from ray_checkfreq.ray import slots
+from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.tree import KeyPath
+
+logger = logging.getLogger("ray_checkfreq.ray")
+
+
+class SlotMemory:
+    """The engine's ``HostMemory`` backed by an agent's slot files on this node."""
+
+    def __init__(self, agent: Any, *, generation: Callable[[], int]) -> None:
+        self.agent = agent
+        self._generation = generation
+        self._mapped: list[slots.MappedSlot] = []
+
+    def prepare(self, step: int, layout: list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
+                ) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
+        plan = slots.slot_layout(layout)
+        if not self._mapped or not all(s.fits(plan) and s.header().meta_capacity >= slots.meta_capacity_for(plan)
+                                       for s in self._mapped):
+            self._remap(plan)
+        slot = self._writable_slot()
+        views = slot.begin_write(step=step, generation=self._generation(), layout=plan)
+        return slot, views
+
+    def _remap(self, plan: slots.SlotLayout) -> None:
+        paths = ray.get(self.agent.allocate.remote(plan.data_bytes, slots.meta_capacity_for(plan)))
+        self.close()
+        self._mapped = [slots.MappedSlot.open(path) for path in paths]
+
+    def _writable_slot(self) -> slots.MappedSlot:
+        """A slot that is not COMPLETE, else the one with the oldest snapshot: the newest
+        complete snapshot (the one a restart may need) is never the one overwritten."""
+        def age(slot: slots.MappedSlot) -> tuple[bool, int, int]:
+            header = slot.header()
+            return header.state == slots.SLOT_COMPLETE, header.step, header.seq
+
+        return min(self._mapped, key=age)
+
+    def close(self) -> None:
+        for slot in self._mapped:
+            slot.close()
+        self._mapped = []
+
+
+class SlotPersister(PersistWorker):
+    """Seals each snapshot's slot, then (``persists=True``) has the agent commit it.
+
+    The agent finishes a persist it started even if this process dies; ``restart_persist``
+    hands it a slot restored after a restart that is newer than the newest commit.
+    """
+
+    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None, *,
+                 agent: Any, persists: bool, generation: Callable[[], int]) -> None:
+        self.agent = agent
+        self.persists = persists
+        self._generation = generation
+        self._last_agent_result: dict | None = None
+        super().__init__(store, on_done=on_done)
+
+    def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, Any]:
+        from ray_checkfreq.engine.persist import PersistError
+
+        start = time.perf_counter()
+        try:
+            snapshot.copies.wait()
+            copied = time.perf_counter()
+            slot: slots.MappedSlot = snapshot.memory
+            header = slot.finish_write(snapshot.state)
+            if not self.persists:
+                return None, None
+            done = ray.get(self.agent.persist.remote(
+                slot.path, header.seq, self.store, self._generation(),
+                codec=options.get("codec"), epoch_boundary=snapshot.epoch_boundary))
+        except BaseException as err:
+            error = PersistError(snapshot.step, f"{type(err).__name__}: {err}")
+            error.__cause__ = err
+            return None, error
+        self._last_agent_result = done
+        return PersistResult(step=snapshot.step, seconds=time.perf_counter() - start, copy_s=copied - start,
+                             codec=str(done["codec"]), raw_bytes=snapshot.size_bytes,
+                             stored_bytes=int(done["stored_bytes"]), uri=str(done["uri"])), None

@@ -1,0 +1,380 @@
+"""``ray_checkfreq.ray.CheckFreq``: the engine inside a Ray Train training function.
+
+    cf = CheckFreq(model=model, optimizer=optimizer, data=batches)
+    start = cf.restore()
+    for it in range(start, total):
+        ...; loss.backward(); optimizer.step()
+        cf.step()
+    cf.close()
+
+Rank, world size and storage come from the Ray Train context. Rank 0 plans every
+checkpoint and every rank applies the same decision one iteration later. The first rank
+on each node copies its replica of the state into its node's agent (one copy); rank 0's
+agent persists it. ``restore()`` runs the restart protocol of ``restart.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from ray_checkfreq.engine import CheckFreq as Engine
+from ray_checkfreq.engine.persist import PersistWorker
+from ray_checkfreq.engine.seams import EngineSeams, local_rng_state, set_local_rng_state
+from ray_checkfreq.ray import agent as agents
+from ray_checkfreq.ray import slots
+from ray_checkfreq.ray.decisions import BroadcastDecisions
+from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
+from ray_checkfreq.ray.restart import RestoreChoice, choose_source
+from ray_checkfreq.ray.transfer import broadcast_state
+from ray_checkfreq.storage import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.ray")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    """How the Ray layer behaves; units in the names.
+
+    ``restart_wait_s``: how long a restart waits for the agents' in-flight persists
+    before it takes over (a persist still running then is fenced, never lost: its slot
+    is restored and persisted again). ``agent_lease_s``: an agent that no rank renewed
+    for this long removes its slots and exits (runs without ``CheckFreqCallback``).
+    ``slots``: 2 (A/B: a new snapshot never overwrites the newest complete one) or 1
+    (half the RAM; a crash mid-copy then leaves only storage to restore from).
+    """
+
+    restart_wait_s: float = 120.0
+    restart_warn_every_s: float = 15.0
+    agent_lease_s: float = 600.0
+    slots: int = 2
+    shm_dir: str = "/dev/shm"
+    use_agents: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
+        if self.slots not in (1, 2):
+            raise ValueError(f"slots={self.slots!r}: must be 1 or 2")
+
+
+class CheckFreq:
+    """CheckFreq checkpoints for a Ray Train worker: same interface as the engine's."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Any = None,
+        extra_state: Mapping[str, Any] | None = None,
+        storage: str | CheckpointStore | None = None,
+        seed: int = 0,
+        ray_config: RayConfig | None = None,
+        **engine_options: Any,
+    ) -> None:
+        from ray_checkfreq.data import refuse_distributed_sampler
+
+        refuse_distributed_sampler(data, "data")
+        self.ray_config = ray_config or RayConfig()
+        context = _train_context()
+        self.rank = int(context.get_world_rank())
+        self.world_size = int(context.get_world_size())
+        self.seed = seed
+        self.run = agents.run_key(context.get_experiment_name())
+        self.store = _store_for(storage, context)
+        self._group = _new_gloo_group(self.world_size)
+        self._control_group = _new_gloo_group(self.world_size)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.nodes = self._gather(self.node_id)  # node of every rank
+        self.snapshots = self.nodes.index(self.node_id) == self.rank  # first rank on its node
+        self.generation: int | None = None
+        self.agent = self._agent(model, optimizer) if self.snapshots else None
+        self.restore_info: dict | None = None
+        self._renewed = time.monotonic()
+        self._memory = SlotMemory(self.agent, generation=self._current_generation) if self.agent else None
+        self._decisions = BroadcastDecisions(self._group, self.rank)
+        seams = EngineSeams(
+            decisions=self._decisions,
+            persister=self._persister,
+            host_memory=self._memory,
+            rng_state=self._gather_rng,
+            set_rng_state=self._set_own_rng,
+            takes_snapshots=self.snapshots,
+        )
+        self.engine = Engine(model=unwrap_model(model), optimizer=optimizer, storage=self.store, data=data,
+                             extra_state=extra_state, seams=seams, **engine_options)
+
+    # ------------------------------------------------------------------ set-up
+    def _agent(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        if not self.ray_config.use_agents:
+            return None
+        free = slots.shm_free_bytes(self.ray_config.shm_dir)
+        needed = self.ray_config.slots * _state_bytes_guess(model, optimizer)
+        if free < needed:
+            logger.warning("%s has %d MiB free, the snapshot slots need about %d MiB: persisting in the training "
+                           "process instead (raise the shared-memory size, e.g. docker --shm-size)",
+                           self.ray_config.shm_dir, free >> 20, needed >> 20)
+            return None
+        handle = agents.get_or_create_agent(self.run, self.node_id, lease_s=self.ray_config.agent_lease_s,
+                                            slot_count=self.ray_config.slots)
+        ray.get(handle.renew.remote())
+        return handle
+
+    def _persister(self, store: CheckpointStore, on_done: Any) -> Any:
+        if self.agent is None:
+            if self.rank == 0:
+                return PersistWorker(store, on_done=on_done)
+            return _NoPersist()
+        return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
+                             generation=self._current_generation)
+
+    def _current_generation(self) -> int:
+        if self.generation is None:
+            raise RuntimeError("call restore() before the first step(): it takes this run's writer generation")
+        return self.generation
+
+    # ----------------------------------------------------------------- restore
+    def restore(self) -> int:
+        """The restart protocol; returns the iteration to resume at (0 on a fresh run)."""
+        if self.rank == 0:
+            choice = self._choose()
+            decided: list[Any] = [asdict(choice), self.generation]
+        else:
+            decided = [None, None]
+        dist.broadcast_object_list(decided, src=0, group=self._control_group)
+        choice = RestoreChoice(**decided[0])
+        self.generation = int(decided[1])
+        started = time.perf_counter()
+        if choice.kind == "none":
+            self.restore_info = {"kind": "none", "step": 0, "seconds": 0.0}
+            return 0
+        state = self._load(choice)
+        iteration = self.engine.apply_state(state)
+        del state
+        self.restore_info = {"kind": choice.kind, "step": iteration, "node_id": choice.node_id,
+                             "committed_step": choice.committed_step, "seconds": time.perf_counter() - started}
+        if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
+            self._persist_restored_slot(choice)
+        logger.info("rank %d restored iteration %d from %s", self.rank, iteration, choice.kind)
+        return iteration
+
+    def _choose(self) -> RestoreChoice:
+        live = agents.live_agents(self.run)
+        self._wait_for_persists(live)
+        self.generation = self.store.acquire_writer()
+        headers = _slot_headers(live)
+        newest = self.store.latest()
+        return choose_source(committed_step=newest.step if newest else None, slot_headers=headers, run=self.run,
+                             reachable_nodes=set(self.nodes), prefer_node=self.node_id)
+
+    def _wait_for_persists(self, live: Mapping[str, Any]) -> None:
+        """Bounded wait for the agents' in-flight persists, with a warning naming the setting."""
+        cfg = self.ray_config
+        deadline = time.monotonic() + cfg.restart_wait_s
+        pending = dict(live)
+        while pending and time.monotonic() < deadline:
+            wait_s = min(cfg.restart_warn_every_s, max(0.0, deadline - time.monotonic()))
+            refs = {node: handle.wait_idle.remote(wait_s) for node, handle in pending.items()}
+            for node, ref in refs.items():
+                try:
+                    if ray.get(ref, timeout=wait_s + 10):
+                        pending.pop(node)
+                except ray.exceptions.RayError:
+                    pending.pop(node)  # that agent is gone: nothing of it to wait for
+            if pending:
+                logger.warning("restart: still waiting for the persist in flight on %d node agent(s); "
+                               "giving up after RayConfig(restart_wait_s=%.0f)", len(pending), cfg.restart_wait_s)
+
+    def _load(self, choice: RestoreChoice) -> dict:
+        """The chosen state on every rank: loaded by one rank, broadcast to the others."""
+        source = self.nodes.index(choice.node_id) if choice.kind == "slot" else 0
+        state: Any = None
+        ok = True
+        if self.rank == source:
+            try:
+                state = self._read_source(choice)
+            except (slots.SlotError, OSError) as err:
+                logger.error("restore: slot %s unreadable (%s); falling back to storage", choice.path, err)
+                ok = False
+        flag = [ok]
+        dist.broadcast_object_list(flag, src=source, group=self._control_group)
+        if not flag[0]:
+            source, state = 0, (self.store.load() if self.rank == 0 else None)
+        return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
+                               group=self._control_group)
+
+    def _read_source(self, choice: RestoreChoice) -> dict:
+        if choice.kind == "storage":
+            return self.store.load()
+        assert choice.path is not None
+        slot = slots.MappedSlot.open(choice.path)
+        header, state = slot.read(copy=True)
+        slot.close()
+        if header.seq != choice.seq:
+            raise slots.SlotError(choice.path, f"changed since it was chosen (#{choice.seq} -> #{header.seq})")
+        return state
+
+    def _persist_restored_slot(self, choice: RestoreChoice) -> None:
+        holder = agents.live_agents(self.run).get(choice.node_id or "")
+        if holder is None:
+            logger.warning("restore: the agent holding step %s is gone; it stays uncommitted", choice.step)
+            return
+        # Not awaited: the agent commits it in the background; the next persist waits behind it.
+        self._restored_persist = holder.persist.remote(choice.path, choice.seq, self.store, self.generation)
+
+    # -------------------------------------------------------------------- rng
+    def _gather_rng(self) -> dict:
+        """Every rank's RNG states (a collective: every rank calls it at each checkpoint)."""
+        return {"world_size": self.world_size, "ranks": self._gather(local_rng_state())}
+
+    def _set_own_rng(self, saved: Any) -> None:
+        ranks = saved.get("ranks") if isinstance(saved, Mapping) else None
+        if ranks is None:
+            set_local_rng_state(saved)  # a single-process checkpoint
+        elif self.rank < len(ranks):
+            set_local_rng_state(ranks[self.rank])
+        else:
+            _seed_new_rank(self.seed, self.rank, int(saved["world_size"]))
+
+    def _gather(self, value: Any) -> list:
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self._control_group)
+        return gathered
+
+    # ----------------------------------------------------------------- steps
+    def step(self) -> None:
+        """Call once per iteration, after ``optimizer.step()``, on every rank."""
+        self.engine.step()
+        if self.agent is not None and time.monotonic() - self._renewed > self.ray_config.agent_lease_s / 4:
+            self._renewed = time.monotonic()
+            self.agent.renew.remote()
+
+    def flush(self) -> float:
+        return self.engine.flush()
+
+    def close(self) -> None:
+        """Make the checkpoint in flight durable, then finish the per-iteration broadcast."""
+        try:
+            self.engine.close()
+        finally:
+            self._decisions.close()
+            if self._memory is not None:
+                self._memory.close()
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
+                "snapshots": self.snapshots, "restore": self.restore_info}
+
+    @property
+    def iteration(self) -> int:
+        return self.engine.iteration
+
+    def __enter__(self) -> CheckFreq:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _NoPersist:
+    """A rank that neither snapshots nor persists."""
+
+    busy = False
+
+    def submit(self, snapshot: Any, **options: Any) -> None:
+        raise RuntimeError("this rank does not persist")
+
+    def wait_idle(self) -> float:
+        return 0.0
+
+    def raise_if_failed(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under DDP (``module.``) and ``torch.compile`` (``_orig_mod.``) wrappers,
+    so a checkpoint loads at any world size and into a plain model."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _seed_new_rank(seed: int, rank: int, saved_world_size: int) -> None:
+    """A rank the checkpoint has no RNG state for (the world grew): seeded from (seed, rank)."""
+    sequence = np.random.SeedSequence([seed, rank, saved_world_size])
+    value = int(sequence.generate_state(1, dtype=np.uint32)[0])
+    torch.manual_seed(value)
+    np.random.seed(value)
+    import random
+
+    random.seed(value)
+
+
+def _train_context() -> Any:
+    import ray.train
+
+    try:
+        return ray.train.get_context()
+    except Exception as err:
+        raise RuntimeError("ray_checkfreq.ray.CheckFreq runs inside a Ray Train training function; "
+                           "use ray_checkfreq.CheckFreq elsewhere") from err
+
+
+def _store_for(storage: str | CheckpointStore | None, context: Any) -> CheckpointStore:
+    if isinstance(storage, CheckpointStore):
+        return storage
+    if storage is None:
+        run_storage = context.get_storage()
+        path = os.path.join(run_storage.experiment_fs_path, "checkfreq")
+        return CheckpointStore(path, filesystem=run_storage.storage_filesystem)
+    if not isinstance(storage, str):
+        raise TypeError(f"storage={storage!r}: expected a URI, an absolute path or a CheckpointStore")
+    if not urlparse(storage).scheme and not os.path.isabs(storage):
+        raise ValueError(f"storage={storage!r} is relative: each worker would resolve it in its own working "
+                         "directory; give an absolute path or a URI")
+    return CheckpointStore(storage)
+
+
+def _new_gloo_group(world_size: int) -> Any:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: use ray_checkfreq.ray.CheckFreq inside a "
+                           "TorchTrainer training function")
+    return dist.new_group(ranks=list(range(world_size)), backend="gloo")
+
+
+def _slot_headers(live: Mapping[str, Any]) -> dict[str, list]:
+    refs = {node: handle.slot_headers.remote() for node, handle in live.items()}
+    headers = {}
+    for node, ref in refs.items():
+        try:
+            headers[node] = ray.get(ref, timeout=30)
+        except ray.exceptions.RayError as err:
+            logger.warning("restart: node agent %s did not answer (%s)", node[:8], err)
+    return headers
+
+
+def _state_bytes_guess(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The state's size before it exists: parameters, and per parameter as many tensors again
+    as the optimizer's defaults suggest (Adam: two moments)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 if any(key in optimizer.defaults for key in ("betas", "beta1")) else 1
+    return params * (1 + moments) + (1 << 20)

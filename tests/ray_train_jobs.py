@@ -1,0 +1,137 @@
+"""The training function the Ray Train tests run: a small CNN on sklearn's digits.
+
+Faults come from the config (as Ray Train's own tests do), each at most once per test
+(a marker file in ``work_dir``): SIGKILL of a rank after a given iteration, a persist
+held in the agent, a slot sealed late. Every rank logs JSON lines to
+``work_dir/log-<rank>.jsonl``: where each attempt started (and from what), the sample ids
+of every batch, and rank 0 saves the final weights to ``work_dir/final.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+DIGITS_BATCH = 64
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.tensor(data.target, dtype=torch.int64)
+
+
+def small_cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)
+    )
+
+
+def iterations_per_epoch(num_samples: int, global_batch: int) -> int:
+    return -(-num_samples // global_batch)
+
+
+def once(work_dir: str, name: str) -> bool:
+    """True the first time ``name`` is claimed in this test (across attempts and ranks)."""
+    try:
+        os.close(os.open(os.path.join(work_dir, f"fault-{name}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def log(work_dir: str, rank: int, **event: Any) -> None:
+    with open(os.path.join(work_dir, f"log-{rank}.jsonl"), "a") as out:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+
+def train(config: dict) -> None:
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from ray_checkfreq.data import resumable
+    from ray_checkfreq.ray import CheckFreq, RayConfig
+
+    work_dir = config["work_dir"]
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    images, labels = digits()
+    model = ray.train.torch.prepare_model(small_cnn())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = resumable(len(images), global_batch_size=config.get("global_batch", DIGITS_BATCH), seed=1)
+    epoch_len = iterations_per_epoch(len(images), config.get("global_batch", DIGITS_BATCH))
+    _install_slow_seal(config, work_dir)
+    cf = CheckFreq(model=model, optimizer=optimizer, data=data, every=config.get("every", 4), epoch_len=epoch_len,
+                   compress=False, ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0)))
+    start = cf.restore()
+    log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id,
+        restore=cf.restore_info, pid=os.getpid())
+    total = config["iterations"]
+    while cf.iteration < total:
+        for indices in data:
+            ids = torch.as_tensor(indices)
+            loss = torch.nn.functional.cross_entropy(model(images[ids]), labels[ids])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            cf.step()
+            log(work_dir, rank, event="batch", iteration=cf.iteration, epoch=_epoch_of(data, cf.iteration, epoch_len),
+                ids=ids.tolist())
+            _faults(config, work_dir, rank, cf)
+            if config.get("sleep_s"):
+                time.sleep(config["sleep_s"])
+            if cf.iteration >= total:
+                break
+    cf.close()
+    if rank == 0:
+        torch.save({"iteration": cf.iteration, "model": cf.engine.model.state_dict()},
+                   os.path.join(work_dir, "final.pt"))
+    log(work_dir, rank, event="end", iteration=cf.iteration, stats=_plain(cf.stats()))
+
+
+def _epoch_of(data: Any, iteration: int, epoch_len: int) -> int:
+    return (iteration - 1) // epoch_len
+
+
+def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
+    import ray
+
+    hold = config.get("hold_persist")  # {"rank": r, "iteration": i, "seconds": s}
+    if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
+            and once(work_dir, "hold"):
+        ray.get(cf.agent.hold_persist.remote(hold["seconds"]))
+    kill = config.get("kill")  # {"rank": r, "iteration": i}
+    if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
+        log(work_dir, rank, event="kill", iteration=cf.iteration)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_slow_seal(config: dict, work_dir: str) -> None:
+    """Seal the slot of one step late (attempt 1 only): a kill then lands mid-snapshot."""
+    slow = config.get("slow_seal")  # {"step": s, "seconds": t}
+    if not slow or os.path.exists(os.path.join(work_dir, "fault-kill")):
+        return
+    from ray_checkfreq.ray import slots
+
+    original = slots.MappedSlot.finish_write
+
+    def finish_write(self: Any, state: Any) -> Any:
+        if self.header().step == slow["step"]:
+            time.sleep(slow["seconds"])
+        return original(self, state)
+
+    slots.MappedSlot.finish_write = finish_write  # type: ignore[method-assign]
+
+
+def _plain(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}

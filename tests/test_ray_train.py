@@ -1,0 +1,159 @@
+"""The Ray Train layer on a real multi-node local cluster: restarts, slots, node loss.
+
+Every test runs ``TorchTrainer`` (gloo, 2 workers on 2 one-CPU nodes) with the training
+function of ``ray_train_jobs.py``, injects one fault, and checks where the restarted run
+began (not only that it ended with the right weights: a run retrained from scratch ends
+with them too) and that nothing is left behind (no agent, no slot file).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.chaos
+
+TRAIN_RESOURCE = "rcf_train"
+ITERATIONS = 40
+
+
+@pytest.fixture(scope="module")
+def train_nodes(ray_cluster):
+    """Two worker nodes (1 CPU each) for Train workers; removed after the module."""
+    for _ in range(2):
+        ray_cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
+    ray_cluster.wait_for_nodes()
+    yield ray_cluster
+    for node in list(ray_cluster.worker_nodes):
+        ray_cluster.remove_node(node, allow_graceful=True)
+
+
+def fit(tmp_path, name: str, *, workers: int = 2, max_failures: int = 2, **config) -> tuple[object, str]:
+    import ray_train_jobs
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_checkfreq.ray import CheckFreqCallback
+
+    work_dir = str(tmp_path / name)
+    os.makedirs(work_dir, exist_ok=True)
+    trainer = TorchTrainer(
+        ray_train_jobs.train,
+        train_loop_config={"work_dir": work_dir, "iterations": ITERATIONS, **config},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
+        run_config=RunConfig(name=f"{name}-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "results"),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             callbacks=[CheckFreqCallback()]),
+    )
+    return trainer.fit(), work_dir
+
+
+def events(work_dir: str, rank: int, kind: str) -> list[dict]:
+    path = os.path.join(work_dir, f"log-{rank}.jsonl")
+    with open(path) as lines:
+        return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def final_weights(work_dir: str) -> dict:
+    saved = torch.load(os.path.join(work_dir, "final.pt"), weights_only=True)
+    assert saved["iteration"] == ITERATIONS
+    return saved["model"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def assert_nothing_left() -> None:
+    import ray
+
+    from ray_checkfreq.ray.agent import NAMESPACE
+
+    deadline = time.monotonic() + 20
+    while True:
+        agents = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+        files = glob.glob("/dev/shm/rcf-*")
+        if not agents and not files:
+            return
+        assert time.monotonic() < deadline, f"left behind: agents {agents}, slot files {files}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(train_nodes, tmp_path_factory):
+    """Final weights of the same job without faults (computed once)."""
+    result, work_dir = fit(tmp_path_factory.mktemp("ref"), "reference")
+    assert result.error is None
+    assert [e["iteration"] for e in events(work_dir, 0, "start")] == [0]
+    assert_nothing_left()
+    return final_weights(work_dir)
+
+
+def test_worker_killed_while_its_agent_persists_resumes_from_the_slot(reference, tmp_path):
+    # Rank 0's agent holds the persist of step 20; rank 1 dies at 22: the newest commit is 16,
+    # the newest complete snapshot (20) lives only in the agent's slot.
+    result, work_dir = fit(tmp_path, "kill-mid-persist", hold_persist={"iteration": 19, "seconds": 20},
+                           kill={"rank": 1, "iteration": 22})
+    assert result.error is None
+    starts = events(work_dir, 0, "start")
+    assert [s["iteration"] for s in starts] == [0, 20]
+    restored = starts[1]["restore"]
+    assert restored["kind"] == "slot" and restored["committed_step"] == 16
+    assert_same_weights(final_weights(work_dir), reference)
+    assert_nothing_left()
+
+
+def test_kill_during_the_copy_into_a_slot_never_restores_that_slot(reference, tmp_path):
+    # The slot of step 24 is still WRITING when rank 0 dies at 25: the restart takes step 20.
+    result, work_dir = fit(tmp_path, "kill-mid-copy", slow_seal={"step": 24, "seconds": 5},
+                           kill={"rank": 0, "iteration": 25})
+    assert result.error is None
+    starts = events(work_dir, 0, "start")
+    assert [s["iteration"] for s in starts] == [0, 20]
+    assert_same_weights(final_weights(work_dir), reference)
+    assert_nothing_left()
+
+
+def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_nodes, tmp_path):
+    work = tmp_path / "node-loss"
+    os.makedirs(work)
+    removed: dict = {}
+
+    def remove_rank0_node() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                batches = events(str(work), 0, "batch")
+            except FileNotFoundError:
+                batches = []
+            if batches and batches[-1]["iteration"] >= 22:
+                node_id = events(str(work), 0, "start")[0]["node"]
+                node = next(n for n in train_nodes.worker_nodes if n.node_id == node_id)
+                train_nodes.remove_node(node, allow_graceful=False)
+                removed["node"] = node_id
+                train_nodes.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=remove_rank0_node, daemon=True)
+    killer.start()
+    result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 60}, sleep_s=0.3)
+    killer.join(timeout=5)
+    assert result.error is None
+    assert removed, "the node was never removed"
+    first, second = events(work_dir, 0, "start")[:2]
+    other_node = events(work_dir, 1, "start")[0]["node"]
+    assert second["restore"]["kind"] == "slot"
+    assert second["restore"]["node_id"] == other_node != removed["node"]
+    assert 20 <= second["iteration"] < 23 and second["restore"]["committed_step"] < second["iteration"]
+    assert_same_weights(final_weights(work_dir), reference)
+    assert_nothing_left()
