@@ -252,25 +252,30 @@ def _create_and_exit(path: str) -> None:
     create_slot_file(path, run="dead-run", node="n", incarnation=0, data_capacity=4096, meta_capacity=4096)
 
 
-def _rewrite_creator_start(path: str, start: int) -> None:
-    """Pretend the file's creator pid now belongs to a process started at another time."""
+def _rewrite_creator(path: str, *, pid: int | None = None, start: int | None = None) -> None:
+    """Rewrite the creator fields: pid at byte 56, start time at 60 (after magic, version,
+    state, seq, step, generation and layout hash)."""
     with open(path, "r+b") as file:
-        file.seek(60)  # creator start time: after magic, version, state, seq, step, generation, hash, pid
-        file.write(struct.pack("<Q", start))
+        if pid is not None:
+            file.seek(56)
+            file.write(struct.pack("<I", pid))
+        if start is not None:
+            file.seek(60)
+            file.write(struct.pack("<Q", start))
 
 
 def test_sweep_removes_only_slots_of_dead_creators(tmp_path):
     directory = str(tmp_path)
     dead, live, reused = (os.path.join(directory, f"rcf-{name}") for name in ("dead", "live", "reused"))
     not_a_slot, other_prefix = os.path.join(directory, "rcf-junk"), os.path.join(directory, "other-dead")
-    for path in (dead, other_prefix):
-        child = multiprocessing.get_context("spawn").Process(target=_create_and_exit, args=(path,))
-        child.start()
-        child.join(timeout=120)
-        assert child.exitcode == 0
-    for path in (live, reused):
+    child = multiprocessing.get_context("spawn").Process(target=_create_and_exit, args=(dead,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0 and MappedSlot.open(dead).header().creator_pid == child.pid
+    for path in (live, reused, other_prefix):
         create_slot_file(path, run="r", node="n", incarnation=0, data_capacity=4096, meta_capacity=4096)
-    _rewrite_creator_start(reused, process_start_time(os.getpid()) + 1)
+    _rewrite_creator(reused, start=process_start_time(os.getpid()) + 1)  # our pid, another process's start
+    _rewrite_creator(other_prefix, pid=child.pid, start=MappedSlot.open(dead).header().creator_start)
     with open(not_a_slot, "wb") as file:
         file.write(b"x" * 5000)
 
@@ -283,7 +288,7 @@ def test_sweep_removes_only_slots_of_dead_creators(tmp_path):
 
 def test_process_start_time():
     assert process_start_time(os.getpid()) == process_start_time(os.getpid()) > 0
-    assert process_start_time(os.getppid()) != process_start_time(os.getpid())
+    assert 0 <= process_start_time(1) < process_start_time(os.getpid())  # pid 1 started first
     assert process_start_time(2**22 + 12345) is None
 
 
