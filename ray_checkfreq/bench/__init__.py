@@ -10,4 +10,5 @@ BENCHMARKS = {
     "iterator": "ray_checkfreq.bench.iterator",
     "stall": "ray_checkfreq.bench.stall",
     "overhead": "ray_checkfreq.bench.overhead",
+    "restore": "ray_checkfreq.bench.restore",
 }
