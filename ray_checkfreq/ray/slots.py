@@ -451,7 +451,7 @@ class MappedSlot:
 
     def _decode_meta(self, meta: bytes, data: Any, data_offset: int, used: int) -> Any:
         try:
-            return _decode_meta(meta, data, data_offset, used)
+            return _parse_meta(meta, data, data_offset, used)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, SkeletonError) as error:
             raise SlotError(self.path, f"bad meta region: {error}") from None
 
@@ -468,7 +468,7 @@ def _tensor_at(buffer: Any, offset: int, nbytes: int, dtype: torch.dtype, shape:
     return raw.view(dtype).reshape(shape)
 
 
-def _decode_meta(meta: bytes, data: Any, data_offset: int, used: int) -> Any:
+def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> Any:
     checksum, text_bytes = _META_PREFIX.unpack_from(meta)
     body = memoryview(meta)[_META_PREFIX.size:]
     if crc32(body) != checksum:
