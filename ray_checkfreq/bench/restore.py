@@ -66,8 +66,11 @@ def run_restore_bench(*, state_mb: int, repeats: int, s3: bool) -> dict:
     nbytes = restore_state.state_bytes(reference)
     with contextlib.ExitStack() as stack:
         sources, page_cache = _sources(stack, state_mb, reference, nbytes, s3)
+        load_before = os.getloadavg()[0]
         times = _interleaved(sources, repeats)
-    return _figures(state_mb, nbytes, repeats, times, page_cache)
+    figures = _figures(state_mb, nbytes, repeats, times, page_cache)
+    figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    return figures
 
 
 def _sources(stack: contextlib.ExitStack, state_mb: int, reference: dict, nbytes: int,
@@ -237,6 +240,8 @@ def print_table(figures: dict) -> None:
     for name, e in figures["sources"].items():
         print(f"{name:<34} {e['median_s']:>8.3f}s {e['min_s']:>8.3f}s {e['max_s']:>8.3f}s "
               f"{mib / e['median_s']:>8.0f} {e['times_vs_own_slot']:>10.1f}x {str(e['identical']):>9}")
+    load = figures["load_average"]
+    print(f"load average (1 min) before / after the rounds: {load['before']:.2f} / {load['after']:.2f}")
     cache = figures["page_cache"]
     print(f"page cache drop: cold read {cache['cold_read_s']:.3f}s, warm read {cache['warm_read_s']:.3f}s: "
           f"{'worked' if cache['dropped'] else 'NOT effective (local figures are warm reads)'}")
