@@ -7,6 +7,10 @@
         ...; loss.backward(); opt.step()   # waits for an in-flight snapshot by itself
         cf.step()
     cf.close()
+
+Each ``step()`` the planning rank plans what to do right after iteration now + lookahead
+(an ``Action``) and every rank applies the action due now (``EngineSeams``): alone, the
+engine plans and applies in the same step; under Ray, rank 0 plans one iteration ahead.
 """
 
 from __future__ import annotations
