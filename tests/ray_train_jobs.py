@@ -71,9 +71,11 @@ def train(config: dict) -> None:
     data = resumable(len(images), global_batch_size=config.get("global_batch", DIGITS_BATCH), seed=1)
     epoch_len = iterations_per_epoch(len(images), config.get("global_batch", DIGITS_BATCH))
     _install_slow_seal(config, work_dir)
+    _debug_log_decisions(work_dir, rank)
     cf = CheckFreq(model=model, optimizer=optimizer, data=data, every=config.get("every", 4), epoch_len=epoch_len,
                    compress=False, ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0)))
     start = cf.restore()
+    _release_held_persists(work_dir, rank, cf)
     log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id,
         restore=cf.restore_info, pid=os.getpid())
     total = config["iterations"]
@@ -114,6 +116,29 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
         log(work_dir, rank, event="kill", iteration=cf.iteration)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _release_held_persists(work_dir: str, rank: int, cf: Any) -> None:
+    """After a restart has chosen what to restore, a persist held in an agent may go on."""
+    import ray
+
+    from ray_checkfreq.ray.agent import live_agents
+
+    if rank == 0 and os.path.exists(os.path.join(work_dir, "fault-hold")) and once(work_dir, "release"):
+        ray.get([handle.release_hold.remote() for handle in live_agents(cf.run).values()])
+
+
+def _debug_log_decisions(work_dir: str, rank: int) -> None:
+    from ray_checkfreq.ray.decisions import BroadcastDecisions
+
+    original = BroadcastDecisions.exchange
+
+    def exchange(self: Any, planned: Any) -> Any:
+        got = original(self, planned)
+        log(work_dir, rank, event="decision", planned=repr(planned), got=repr(got))
+        return got
+
+    BroadcastDecisions.exchange = exchange  # type: ignore[method-assign]
 
 
 def _install_slow_seal(config: dict, work_dir: str) -> None:

@@ -54,6 +54,11 @@ class ResumableIterator:
         self._generation += 1
         return self._run(self._generation)
 
+    def __len__(self) -> int:
+        """Global steps in a whole epoch (a rank with no piece of the last one yields one batch fewer)."""
+        g = self.sharding.global_batch
+        return self.num_samples // g if self.sharding.drop_last else -(-self.num_samples // g)
+
     def state_dict(self) -> dict[str, Any]:
         return self._state(self._epoch, self._consumed).to_dict()
 

@@ -63,6 +63,7 @@ class NodeAgent:
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
         self._in_flight: int | None = None
         self._hold_s = 0.0
+        self._released = threading.Event()
         self._lease_s = lease_s
         self._renewed = time.monotonic()
         self._persists = 0
@@ -125,7 +126,7 @@ class NodeAgent:
             try:
                 hold, self._hold_s = self._hold_s, 0.0
                 if hold:
-                    time.sleep(hold)
+                    self._released.wait(hold)
                 writer = self._writer(store, generation)
                 ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec)
             finally:
@@ -164,8 +165,12 @@ class NodeAgent:
         return acquired
 
     def hold_persist(self, seconds: float) -> None:
-        """Tests: make the next persist wait ``seconds`` after reading its slot."""
+        """Tests: make the next persist wait ``seconds`` (or until ``release_hold``) after reading its slot."""
+        self._released.clear()
         self._hold_s = float(seconds)
+
+    def release_hold(self) -> None:
+        self._released.set()
 
     # ------------------------------------------------------------ lifetime
     def renew(self) -> None:
