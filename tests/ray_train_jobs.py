@@ -112,6 +112,10 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
             and once(work_dir, "hold"):
         ray.get(cf.agent.hold_persist.remote(hold["seconds"]))
+    kill_agent = config.get("kill_agent")  # {"iteration": i}: rank 0's node agent dies mid-run
+    if kill_agent and rank == 0 and cf.iteration == kill_agent["iteration"] and once(work_dir, "kill-agent"):
+        log(work_dir, rank, event="kill-agent", iteration=cf.iteration)
+        ray.kill(cf.agent)
     kill = config.get("kill")  # {"rank": r, "iteration": i}
     if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
         log(work_dir, rank, event="kill", iteration=cf.iteration)

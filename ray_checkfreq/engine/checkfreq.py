@@ -177,7 +177,7 @@ class CheckFreq:
         the checkpoint read here stays the newest one until this run saves its own.
         """
         self.store.acquire_writer()
-        self._load_cached_profile()
+        self.load_cached_profile()
         if not self.store.list():
             self._begin(0)
             return 0
@@ -212,9 +212,10 @@ class CheckFreq:
         elif self._decisions.is_planner:  # others take k from the actions they apply
             self._profiling = ProfilingWindow(quiet_iters=self.config.profiling_window())
 
-    def _load_cached_profile(self) -> None:
+    def load_cached_profile(self) -> None:
         """Read the cached profile; it is applied at the first step, once the optimizer
-        state exists and its fingerprint can be compared."""
+        state exists and its fingerprint can be compared. ``restore()`` calls it; a caller
+        that restores with ``apply_state`` calls it itself."""
         if self.config.every is not None or not self.config.reuse_profile or not self._decisions.is_planner:
             return
         cached = self.store.read_metadata(PROFILE_NAME)

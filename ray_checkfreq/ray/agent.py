@@ -129,6 +129,8 @@ class NodeAgent:
                     self._released.wait(hold)
                 writer = self._writer(store, generation)
                 ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec)
+                if slot.header().seq != seq:  # the A/B rule makes this impossible; say so if it ever happens
+                    logger.error("slot %s was rewritten while step %d was persisted from it", path, header.step)
             finally:
                 self._in_flight = None
                 del state

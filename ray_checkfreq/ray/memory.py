@@ -18,7 +18,7 @@ from typing import Any
 import ray
 import torch
 
-from ray_checkfreq.engine.persist import PersistResult, PersistWorker
+from ray_checkfreq.engine.persist import PersistError, PersistResult, PersistWorker
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.ray import slots
 from ray_checkfreq.storage import CheckpointStore
@@ -34,21 +34,33 @@ class SlotMemory:
         self.agent = agent
         self._generation = generation
         self._mapped: list[slots.MappedSlot] = []
+        self._stale = False
 
     def prepare(self, step: int, layout: list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
                 ) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
         plan = slots.slot_layout(layout)
-        if not self._mapped or not all(s.fits(plan) and s.header().meta_capacity >= slots.meta_capacity_for(plan)
-                                       for s in self._mapped):
+        if self._stale or not self._mapped or not all(self._fits(slot, plan) for slot in self._mapped):
             self._remap(plan)
         slot = self._writable_slot()
         views = slot.begin_write(step=step, generation=self._generation(), layout=plan)
         return slot, views
 
+    @staticmethod
+    def _fits(slot: slots.MappedSlot, plan: slots.SlotLayout) -> bool:
+        return slot.fits(plan) and slot.header().meta_capacity >= slots.meta_capacity_for(plan)
+
+    def replace_agent(self, agent: Any) -> None:
+        """A new agent for this node: its slots are mapped at the next snapshot."""
+        self.agent = agent
+        self._stale = True
+
     def _remap(self, plan: slots.SlotLayout) -> None:
         paths = ray.get(self.agent.allocate.remote(plan.data_bytes, slots.meta_capacity_for(plan)))
         self.close()
         self._mapped = [slots.MappedSlot.open(path) for path in paths]
+        self._stale = False
+        for slot in self._mapped:
+            slots.register_pinned(slot)  # page-locked for device-to-host copies; a no-op without CUDA
 
     def _writable_slot(self) -> slots.MappedSlot:
         """A slot that is not COMPLETE, else the one with the oldest snapshot: the newest
@@ -73,16 +85,16 @@ class SlotPersister(PersistWorker):
     """
 
     def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None, *,
-                 agent: Any, persists: bool, generation: Callable[[], int]) -> None:
+                 agent: Any, persists: bool, generation: Callable[[], int],
+                 on_agent_lost: Callable[[], Any] | None = None) -> None:
         self.agent = agent
+        self._on_agent_lost = on_agent_lost
         self.persists = persists
         self._generation = generation
         self._last_agent_result: dict | None = None
         super().__init__(store, on_done=on_done)
 
     def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, Any]:
-        from ray_checkfreq.engine.persist import PersistError
-
         start = time.perf_counter()
         try:
             snapshot.copies.wait()
@@ -94,11 +106,21 @@ class SlotPersister(PersistWorker):
             done = ray.get(self.agent.persist.remote(
                 slot.path, header.seq, self.store, self._generation(),
                 codec=options.get("codec"), epoch_boundary=snapshot.epoch_boundary))
+        except ray.exceptions.RayActorError as err:
+            if self._on_agent_lost is None:
+                return None, _persist_error(snapshot.step, err)
+            logger.warning("checkpoint of iteration %d not persisted: the node agent died (%s)", snapshot.step, err)
+            self.agent = self._on_agent_lost()
+            return None, None
         except BaseException as err:
-            error = PersistError(snapshot.step, f"{type(err).__name__}: {err}")
-            error.__cause__ = err
-            return None, error
+            return None, _persist_error(snapshot.step, err)
         self._last_agent_result = done
         return PersistResult(step=snapshot.step, seconds=time.perf_counter() - start, copy_s=copied - start,
                              codec=str(done["codec"]), raw_bytes=snapshot.size_bytes,
                              stored_bytes=int(done["stored_bytes"]), uri=str(done["uri"])), None
+
+
+def _persist_error(step: int, err: BaseException) -> PersistError:
+    error = PersistError(step, f"{type(err).__name__}: {err}")
+    error.__cause__ = err
+    return error

@@ -138,7 +138,18 @@ class CheckFreq:
                 return PersistWorker(store, on_done=on_done)
             return _NoPersist()
         return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
-                             generation=self._current_generation)
+                             generation=self._current_generation, on_agent_lost=self._replace_agent)
+
+    def _replace_agent(self) -> Any:
+        """The node's agent died mid-run (noticed by a persist, off the training thread):
+        a new one takes its place; the next snapshot maps its fresh slots."""
+        logger.warning("rank %d: the node agent died; starting a new one (this checkpoint is skipped)", self.rank)
+        handle = agents.get_or_create_agent(self.run, self.node_id, lease_s=self.ray_config.agent_lease_s,
+                                            slot_count=self.ray_config.slots)
+        self.agent = handle
+        if self._memory is not None:
+            self._memory.replace_agent(handle)
+        return handle
 
     def _current_generation(self) -> int:
         if self.generation is None:
@@ -157,6 +168,8 @@ class CheckFreq:
         choice = RestoreChoice(**decided[0])
         self.generation = int(decided[1])
         started = time.perf_counter()
+        if self.rank == 0:
+            self.engine.load_cached_profile()
         if choice.kind == "none":
             self.restore_info = {"kind": "none", "step": 0, "seconds": 0.0}
             return 0
