@@ -9,8 +9,11 @@ tensors of a fresh model and optimizer, ``load_state_dict`` included, from:
 - storage: ``CheckpointStore(dir).load()`` from local disk after its files' pages were
   dropped from the page cache (fsync, then ``POSIX_FADV_DONTNEED``), raw and rcfz;
 - loopback S3 (moto on 127.0.0.1), raw and rcfz (``--no-s3`` skips it).
-After an untimed warm-up round, rounds are interleaved (every source once per round); medians, min and max are reported,
-with each source's ratio to the own-node slot. Every restore is checked bit-identical.
+After an untimed warm-up round, rounds are interleaved (every source once per round);
+medians, min and max are reported, with each source's ratio to the own-node slot. Every
+restore is checked bit-identical. torch runs single-threaded in every process here: on a
+shared machine its 2-thread copy of 100 MB took 5-30x longer whenever another process held
+a core (measured 0.12-0.86 s against 0.023-0.033 s with one thread).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def run_restore_bench(*, state_mb: int, repeats: int, s3: bool) -> dict:
     reference = restore_state.reference_state(state_mb)
     nbytes = restore_state.state_bytes(reference)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(restore_state.single_threaded_torch())
         sources, page_cache = _sources(stack, state_mb, reference, nbytes, s3)
         load_before = os.getloadavg()[0]
         times = _interleaved(sources, repeats)
@@ -235,7 +239,7 @@ def _figures(state_mb: int, nbytes: int, repeats: int, results: dict[str, dict],
 def print_table(figures: dict) -> None:
     mib = figures["state_bytes"] / restore_state.MiB
     print(f"state: {mib:.1f} MiB (MLP weights + Adam moments), {figures['repeats']} interleaved rounds; "
-          "restored into a fresh model's tensors, load_state_dict included")
+          "restored into a fresh model's tensors, load_state_dict included; torch single-threaded")
     print(f"{'source':<34} {'median':>9} {'min':>9} {'max':>9} {'MiB/s':>8} {'x own slot':>11} {'identical':>9}")
     for name, e in figures["sources"].items():
         print(f"{name:<34} {e['median_s']:>8.3f}s {e['min_s']:>8.3f}s {e['max_s']:>8.3f}s "

@@ -27,6 +27,7 @@ class SlotActor:
     """Rank 0 (``holds_slot``) serves its slot; rank 1 restores from it and checks the result."""
 
     def __init__(self, state_mb: int, slot_path: str | None) -> None:
+        torch.set_num_threads(1)  # as in the driver (see bench.restore)
         self.state_mb = state_mb
         self.slot = None
         self.target: restore_state.Target | None = None

@@ -8,7 +8,9 @@ one step); restoring copies into them, as a resumed training job's ``load_state_
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +20,17 @@ from ray_checkfreq.storage.tree import flatten_state, unflatten_state
 
 MiB = 1024 * 1024
 _SEED = 20260
+
+
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """torch intra-op threads set to 1 while inside (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def mlp_shape(state_mb: int) -> tuple[int, int]:
