@@ -71,3 +71,22 @@ def test_mlp_state_has_about_the_asked_size():
         nbytes = 12 * layers * (width * width + width)
         assert 0.8 < nbytes / (state_mb * restore_state.MiB) < 1.25, (state_mb, width, layers)
 
+
+
+def _filesystem_type(path) -> str:
+    mounts = [line.split()[1:3] for line in open("/proc/mounts")]
+    best = max((m for m in mounts if str(path).startswith(m[0])), key=lambda m: len(m[0]))
+    return best[1]
+
+
+def test_dropping_the_page_cache_leaves_no_page_resident(tmp_path):
+    from ray_checkfreq.bench.restore import drop_page_cache, resident_fraction
+
+    if _filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("on tmpfs the page cache is the storage: nothing can be dropped")
+    (tmp_path / "shard.bin").write_bytes(os.urandom(4 << 20))
+    (tmp_path / "manifest.json").write_bytes(b"{}")
+    (tmp_path / "shard.bin").read_bytes()
+    assert resident_fraction(str(tmp_path)) > 0.99
+    drop_page_cache(str(tmp_path))
+    assert resident_fraction(str(tmp_path)) < 0.01
