@@ -74,7 +74,8 @@ def test_mlp_state_has_about_the_asked_size():
 
 
 def _filesystem_type(path) -> str:
-    mounts = [line.split()[1:3] for line in open("/proc/mounts")]
+    with open("/proc/mounts") as table:
+        mounts = [line.split()[1:3] for line in table]
     best = max((m for m in mounts if str(path).startswith(m[0])), key=lambda m: len(m[0]))
     return best[1]
 
