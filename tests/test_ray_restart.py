@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -71,9 +72,12 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, port: int, plans: list, out: dict) -> None:
+    import numpy as np
+    import torch
     import torch.distributed as dist
 
     from ray_checkfreq.ray.decisions import BroadcastDecisions
+    from ray_checkfreq.ray.transfer import all_gather_state, broadcast_json, broadcast_state
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = BroadcastDecisions(dist.new_group(backend="gloo"), rank)
@@ -83,7 +87,32 @@ def _rank_main(rank: int, port: int, plans: list, out: dict) -> None:
         applied.append((iteration, action))
     channel.close()
     out[rank] = applied
+    group = dist.new_group(backend="gloo")
+    mine = {"rank": rank, "t": torch.full((3,), float(rank)), "rng": (np.arange(rank + 2), 1.5, None)}
+    gathered = all_gather_state(mine, world_size=2, group=group)
+    sent = broadcast_state(mine if rank == 1 else None, src=1, rank=rank, world_size=2, group=group)
+    out[f"gathered{rank}"] = [(g["rank"], g["t"].tolist(), g["rng"][0].tolist(), g["rng"][1:]) for g in gathered]
+    out[f"sent{rank}"] = (sent["rank"], sent["t"].tolist(), sent["rng"][0].tolist())
+    out[f"json{rank}"] = broadcast_json({"kind": "slot", "step": 20} if rank == 0 else None, src=0, rank=rank,
+                                        group=group)
     dist.destroy_process_group()
+
+
+def test_a_packed_state_round_trips_without_pickle():
+    import numpy as np
+    import torch
+
+    from ray_checkfreq.ray.transfer import pack_state, unpack_state
+
+    state = {"model": {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)}, "n": [1, "x", None, 2.5],
+             "np": np.arange(5, dtype=np.uint32), "empty": torch.zeros(0)}
+    packed = pack_state(state)
+    header_length = int.from_bytes(packed[:8].tobytes(), "little")
+    assert set(json.loads(packed[8:8 + header_length].tobytes())) == {"skeleton", "offsets", "specs"}
+    back = unpack_state(packed)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["model"]["w"].dtype == torch.bfloat16
+    assert back["n"] == [1, "x", None, 2.5] and np.array_equal(back["np"], state["np"])
+    assert back["empty"].shape == (0,)
 
 
 def test_every_rank_applies_rank0s_plan_one_iteration_later():
@@ -95,6 +124,10 @@ def test_every_rank_applies_rank0s_plan_one_iteration_later():
         mp.start_processes(_rank_main, args=(port, plans, out), nprocs=2, start_method="spawn", join=True)
         by_rank = dict(out)
     assert by_rank[0] == by_rank[1]
+    expected = [(r, [float(r)] * 3, list(range(r + 2)), (1.5, None)) for r in range(2)]
+    assert by_rank["gathered0"] == by_rank["gathered1"] == expected
+    assert by_rank["sent0"] == by_rank["sent1"] == (1, [1.0] * 3, [0, 1, 2])
+    assert by_rank["json0"] == by_rank["json1"] == {"kind": "slot", "step": 20}
     for (iteration, action), planned in zip(by_rank[0], [None, *plans]):
         assert action == planned
         assert action is None or action.iteration == iteration

@@ -36,7 +36,7 @@ from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
 from ray_checkfreq.ray.restart import RestoreChoice, choose_source
-from ray_checkfreq.ray.transfer import broadcast_state
+from ray_checkfreq.ray.transfer import all_gather_json, all_gather_state, broadcast_json, broadcast_state
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -97,7 +97,7 @@ class CheckFreq:
         self._group = _new_gloo_group(self.world_size)
         self._control_group = _new_gloo_group(self.world_size)
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.nodes = self._gather(self.node_id)  # node of every rank
+        self.nodes = all_gather_json(self.node_id, world_size=self.world_size, group=self._control_group)
         self.snapshots = self.nodes.index(self.node_id) == self.rank  # first rank on its node
         self.generation: int | None = None
         self.agent = self._agent(model, optimizer) if self.snapshots else None
@@ -159,12 +159,8 @@ class CheckFreq:
     # ----------------------------------------------------------------- restore
     def restore(self) -> int:
         """The restart protocol; returns the iteration to resume at (0 on a fresh run)."""
-        if self.rank == 0:
-            choice = self._choose()
-            decided: list[Any] = [asdict(choice), self.generation]
-        else:
-            decided = [None, None]
-        dist.broadcast_object_list(decided, src=0, group=self._control_group)
+        mine = [asdict(self._choose()), self.generation] if self.rank == 0 else None
+        decided = broadcast_json(mine, src=0, rank=self.rank, group=self._control_group)
         choice = RestoreChoice(**decided[0])
         self.generation = int(decided[1])
         started = time.perf_counter()
@@ -221,9 +217,7 @@ class CheckFreq:
             except (slots.SlotError, OSError) as err:
                 logger.error("restore: slot %s unreadable (%s); falling back to storage", choice.path, err)
                 ok = False
-        flag = [ok]
-        dist.broadcast_object_list(flag, src=source, group=self._control_group)
-        if not flag[0]:
+        if not broadcast_json(ok, src=source, rank=self.rank, group=self._control_group):
             source, state = 0, (self.store.load() if self.rank == 0 else None)
         return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
                                group=self._control_group)
@@ -250,7 +244,8 @@ class CheckFreq:
     # -------------------------------------------------------------------- rng
     def _gather_rng(self) -> dict:
         """Every rank's RNG states (a collective: every rank calls it at each checkpoint)."""
-        return {"world_size": self.world_size, "ranks": self._gather(local_rng_state())}
+        ranks = all_gather_state({"rng": local_rng_state()}, world_size=self.world_size, group=self._control_group)
+        return {"world_size": self.world_size, "ranks": [entry["rng"] for entry in ranks]}
 
     def _set_own_rng(self, saved: Any) -> None:
         ranks = saved.get("ranks") if isinstance(saved, Mapping) else None
@@ -260,11 +255,6 @@ class CheckFreq:
             set_local_rng_state(ranks[self.rank])
         else:
             _seed_new_rank(self.seed, self.rank, int(saved["world_size"]))
-
-    def _gather(self, value: Any) -> list:
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self._control_group)
-        return gathered
 
     # ----------------------------------------------------------------- steps
     def step(self) -> None:
