@@ -28,6 +28,10 @@ Commit protocol (invariants):
    never a committed one with holes), stops counting at ``keep_last`` checkpoints whose
    shards are all present at their recorded sizes, and never deletes the checkpoint just
    saved nor the newest one this store object verified (read in full) or wrote.
+7. ``protected_steps`` (a picklable callable returning step numbers) names steps that
+   something outside the store still points at (a Ray Train pointer checkpoint, say):
+   retention keeps every checkpoint of those steps. It is asked at each retention, so a
+   pointer that went away stops protecting; if it raises, retention deletes nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,7 +175,11 @@ class CheckpointStore:
         filesystem: Any = None,
         s3: S3Options | None = None,
         writer_generation: int | None = None,
+        protected_steps: Callable[[], Iterable[int]] | None = None,
     ) -> None:
+        if protected_steps is not None and not callable(protected_steps):
+            raise TypeError(f"protected_steps={protected_steps!r}: expected a callable returning step numbers")
+        self.protected_steps = protected_steps
         self.config = StoreConfig(
             keep_last=keep_last,
             keep_epoch_boundaries=keep_epoch_boundaries,
@@ -193,7 +201,7 @@ class CheckpointStore:
 
     def __reduce__(self) -> tuple:
         uri, filesystem, s3 = self._init_args
-        kwargs = dict(vars(self.config), filesystem=filesystem, s3=s3)
+        kwargs = dict(vars(self.config), filesystem=filesystem, s3=s3, protected_steps=self.protected_steps)
         return (_rebuild_store, (uri, kwargs))
 
     def __repr__(self) -> str:
@@ -202,7 +210,8 @@ class CheckpointStore:
     def with_writer(self, generation: int) -> CheckpointStore:
         """A store on the same URI and settings that writes as ``generation`` (handed over)."""
         uri, filesystem, s3 = self._init_args
-        return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation)
+        return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation,
+                               protected_steps=self.protected_steps)
 
     # ------------------------------------------------------------------ writing
     def save(
@@ -390,8 +399,12 @@ class CheckpointStore:
                 self.backend.delete_dir(entry.name)
 
     def _apply_retention(self, just_saved: str) -> None:
+        protected = self._protected()
+        if protected is None:
+            return
         entries = self._committed()
         keep = self._retained(entries)
+        keep |= {e.name for e in entries if e.step in protected}
         keep.add(just_saved)
         newest_verified = next((e.name for e in reversed(entries) if e.name in self._verified), None)
         if newest_verified is not None:
@@ -402,6 +415,16 @@ class CheckpointStore:
             if entry.name not in keep and self._mine_to_remove(entry):
                 self._delete(entry.name)
         self._verified &= keep
+
+    def _protected(self) -> set[int] | None:
+        """The steps ``protected_steps`` names; None (delete nothing) when it fails."""
+        if self.protected_steps is None:
+            return set()
+        try:
+            return {int(step) for step in self.protected_steps()}
+        except Exception as err:  # keeping too much is safe; deleting a pointed-at step is not
+            logger.warning("%s: retention skipped, protected_steps failed: %s", self.uri, err)
+            return None
 
     def _retained(self, entries: builtins.list[_Entry]) -> set[str]:
         """The newest ``keep_last`` intact checkpoints, and older intact epoch boundaries."""
