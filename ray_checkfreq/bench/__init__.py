@@ -11,4 +11,5 @@ BENCHMARKS = {
     "stall": "ray_checkfreq.bench.stall",
     "overhead": "ray_checkfreq.bench.overhead",
     "restore": "ray_checkfreq.bench.restore",
+    "ray": "ray_checkfreq.bench.ray_bench",
 }

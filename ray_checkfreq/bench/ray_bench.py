@@ -1,0 +1,233 @@
+"""``ray-checkfreq bench ray``: Ray Train's own checkpoints against ray_checkfreq, in one TorchTrainer run.
+
+The job: an MLP with Adam (``--state-mb`` MiB of weights + moments), DDP over gloo, 2
+workers on a local 2-node ``cluster_utils.Cluster`` (1 CPU each), synthetic data. Variants:
+- ``none``: no checkpoints (the baseline);
+- ``report_sync`` / ``report_async``: every k iterations rank 0 ``torch.save``s the state into
+  a temp dir and every rank calls ``ray.train.report(metrics, checkpoint=...)`` with that
+  upload mode (k chosen after the first baseline so that k x Ti >= ``--min-interval-s``);
+- ``ours_policy``: ``ray_checkfreq.ray.CheckFreq`` with ``every=None`` (the policy picks k for
+  overhead p = ``--overhead``); ``ours_same_k``: ``every=k``.
+All run inside ONE ``fit()`` (a TorchTrainer start costs ~30 s here), in interleaved rounds
+(none, report_sync, report_async, ours_policy, ours_same_k, none, ...). Each variant's
+overhead is its timed stretch (``--iterations`` after ``--warmup`` untimed ones) over the
+same round's baseline, minus 1; medians over rounds, with min and max. An epoch is
+``--epoch-len`` iterations. Then (unless ``--no-kill``) the recovery run: ours at k, rank 1
+SIGKILLed mid-interval, Ray Train restarts the group, and the restarted rank 0 records lost
+iterations and the seconds from the kill to its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from ray_checkfreq.bench import ray_bench_job as job
+
+TRAIN_RESOURCE = "rcf_bench_train"
+SPEEDUP_TARGET = 5.0
+MiB = 1024 * 1024
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                      "health_check_timeout_ms": 500}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-mb", type=int, default=100, help="model + Adam state in MiB (default 100)")
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per iteration (default 16)")
+    parser.add_argument("--iterations", type=int, default=60, help="timed iterations per variant (default 60)")
+    parser.add_argument("--warmup", type=int, default=15, help="untimed iterations before them (default 15)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--overhead", type=float, default=0.035, help="allowed overhead p (default 0.035)")
+    parser.add_argument("--min-interval-s", type=float, default=2.0, help="k x Ti at least this (default 2)")
+    parser.add_argument("--every", type=int, default=None, help="fix k instead of deriving it from Ti")
+    parser.add_argument("--epoch-len", type=int, default=1000, help="iterations per epoch (default 1000)")
+    parser.add_argument("--no-kill", action="store_true", help="skip the recovery run")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    figures = run_ray_bench(args)
+    print_table(figures)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+def job_config(args: argparse.Namespace, work_dir: str) -> dict:
+    from ray_checkfreq.bench.restore_state import mlp_shape
+
+    for name in ("state_mb", "batch", "iterations", "warmup", "repeats", "epoch_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if not 0 < args.overhead < 1 or not args.min_interval_s > 0:
+        raise ValueError(f"--overhead={args.overhead} must be in (0, 1), --min-interval-s={args.min_interval_s} > 0")
+    width, layers = mlp_shape(args.state_mb)
+    return {"width": width, "layers": layers, "batch": args.batch, "iterations": args.iterations,
+            "warmup": args.warmup, "repeats": args.repeats, "overhead": args.overhead,
+            "min_interval_s": args.min_interval_s, "every": args.every, "epoch_len": args.epoch_len,
+            "profile_iters": max(2, args.warmup // 3), "kill": not args.no_kill, "work_dir": work_dir,
+            "results_path": os.path.join(work_dir, "results.jsonl")}
+
+
+def run_ray_bench(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rcf-bench-ray-") as work_dir:
+        config = job_config(args, work_dir)
+        started = time.perf_counter()
+        load_before = os.getloadavg()[0]
+        _fit_on_own_cluster(config, work_dir)
+        with open(config["results_path"]) as lines:
+            results = [json.loads(line) for line in lines]
+    figures = summarize(results, config)
+    figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    figures["wall_s"] = time.perf_counter() - started
+    return figures
+
+
+def _fit_on_own_cluster(config: dict, work_dir: str) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        raise RuntimeError("bench ray starts its own Ray cluster: run it in a process without Ray "
+                           "(the CLI `ray-checkfreq bench ray` does)")
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "120")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 256 * MiB, "include_dashboard": False,
+        "_system_config": FAST_HEALTH_CHECKS})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, object_store_memory=256 * MiB, resources={TRAIN_RESOURCE: 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        _fit(config, work_dir)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _fit(config: dict, work_dir: str) -> None:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_checkfreq.ray import CheckFreqCallback
+
+    trainer = TorchTrainer(
+        job.train,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
+        run_config=RunConfig(name="bench-ray", storage_path=os.path.join(work_dir, "results"),
+                             failure_config=FailureConfig(max_failures=1 if config["kill"] else 0),
+                             checkpoint_config=CheckpointConfig(num_to_keep=1),
+                             callbacks=[CheckFreqCallback()]),
+    )
+    trainer.fit()
+
+
+# ------------------------------------------------------------------ figures
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def summarize(results: list[dict], config: dict) -> dict:
+    """Per variant: timed seconds and overhead against the same round's baseline."""
+    variants = [r for r in results if r["kind"] == "variant"]
+    baseline = {r["repeat"]: r["seconds"] for r in variants if r["variant"] == job.BASELINE}
+    k = next(r["k"] for r in variants if r["k"])
+    per_variant: dict[str, dict[str, Any]] = {}
+    for name in job.VARIANTS:
+        runs = [r for r in variants if r["variant"] == name]
+        per_variant[name] = {
+            "seconds": _spread([r["seconds"] for r in runs]),
+            "overhead": _spread([r["seconds"] / baseline[r["repeat"]] - 1 for r in runs]),
+            "checkpoints": [r["checkpoints"] for r in runs],
+            "k": [r.get("k_used", r["k"]) for r in runs],
+            "runs": runs,
+        }
+    iteration_s = statistics.median(baseline.values()) / config["iterations"]
+    figures = {
+        "k": k,
+        "iteration_s": iteration_s,
+        "k_times_iteration_s": k * iteration_s,
+        "state_bytes": 12 * config["layers"] * (config["width"] ** 2 + config["width"]),
+        "config": {key: config[key] for key in ("width", "layers", "batch", "iterations", "warmup", "repeats",
+                                                "overhead", "min_interval_s", "epoch_len", "profile_iters")},
+        "variants": per_variant,
+        "overhead_ours_policy": per_variant[job.OURS_POLICY]["overhead"]["median"],
+        "overhead_ours_same_k": per_variant[job.OURS_SAME_K]["overhead"]["median"],
+        "overhead_report_sync": per_variant[job.REPORT_SYNC]["overhead"]["median"],
+        "overhead_report_async": per_variant[job.REPORT_ASYNC]["overhead"]["median"],
+        "checkpoints_per_epoch": _checkpoints_per_epoch(per_variant, k, config["epoch_len"]),
+    }
+    recovery = [r for r in results if r["kind"] == "recovery"]
+    figures["recovery"] = recovery[0] if recovery else None
+    figures["targets"] = targets(figures, config["overhead"])
+    return figures
+
+
+def _checkpoints_per_epoch(per_variant: dict, k: int, epoch_len: int) -> dict:
+    policy_ks = [value for value in per_variant[job.OURS_POLICY]["k"] if value]
+    policy = epoch_len / statistics.median(policy_ks) if policy_ks else None
+    return {job.REPORT_SYNC: epoch_len / k, job.REPORT_ASYNC: epoch_len / k, job.OURS_SAME_K: epoch_len / k,
+            job.OURS_POLICY: policy, job.BASELINE: 0.0}
+
+
+def targets(figures: dict, overhead: float) -> dict:
+    ours = max(figures["overhead_ours_same_k"], 1e-9)  # a zero or negative overhead beats any ratio
+    sync_ratio = figures["overhead_report_sync"] / ours
+    async_ratio = figures["overhead_report_async"] / ours
+    return {
+        "ours_policy_within_p": {"value": figures["overhead_ours_policy"], "required": overhead,
+                                 "met": figures["overhead_ours_policy"] <= overhead},
+        "ours_same_k_vs_sync": {"value": sync_ratio, "required": SPEEDUP_TARGET, "met": sync_ratio >= SPEEDUP_TARGET},
+        "ours_same_k_below_async": {"value": async_ratio, "required": 1.0,
+                                    "met": figures["overhead_ours_same_k"] < figures["overhead_report_async"]},
+    }
+
+
+def print_table(figures: dict) -> None:
+    cfg = figures["config"]
+    print(f"job: MLP {cfg['layers']} x {cfg['width']} + Adam, DDP over gloo, 2 workers on 2 one-CPU nodes, "
+          f"batch {cfg['batch']}/rank; Ti {figures['iteration_s'] * 1000:.0f} ms; k = {figures['k']} "
+          f"(k x Ti = {figures['k_times_iteration_s']:.1f} s); {cfg['repeats']} interleaved rounds of "
+          f"{cfg['iterations']} timed iterations after {cfg['warmup']} untimed; epoch = {cfg['epoch_len']} iterations")
+    print(f"{'variant':<14} {'k':>8} {'ckpt/epoch':>10} {'ckpts':>9} {'median s':>9} "
+          f"{'overhead':>9} {'min':>8} {'max':>8}")
+    for name, entry in figures["variants"].items():
+        overhead = entry["overhead"]
+        ks = "-" if name == job.BASELINE else "/".join(sorted({str(value) for value in entry["k"]}))
+        ckpts = "/".join(str(c) for c in entry["checkpoints"])
+        per_epoch = figures["checkpoints_per_epoch"][name]
+        per_epoch_text = "-" if per_epoch is None else f"{per_epoch:.1f}"
+        print(f"{name:<14} {ks:>8} {per_epoch_text:>10} {ckpts:>9} {entry['seconds']['median']:>9.2f} "
+              f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%}")
+    _print_recovery(figures["recovery"])
+    load = figures["load_average"]
+    print(f"load average (1 min) before / after: {load['before']:.2f} / {load['after']:.2f}; "
+          f"wall {figures['wall_s']:.0f} s")
+    for name, target in figures["targets"].items():
+        print(f"target {name}: {'met' if target['met'] else 'not met'} "
+              f"({target['value']:.3g} against {target['required']:.3g})")
+
+
+def _print_recovery(recovery: dict | None) -> None:
+    if recovery is None:
+        print("recovery: not run (--no-kill)")
+        return
+    print(f"recovery (ours, k = {recovery['k']}): rank 1 SIGKILLed at iteration {recovery['killed_at']}, "
+          f"restored step {recovery['restored_step']} from {recovery['source']}: "
+          f"{recovery['lost_iterations']} iterations lost; "
+          f"kill -> first step {recovery['restart_to_first_step_s']:.1f} s "
+          f"(kill -> training function {recovery['kill_to_function_start_s']:.1f} s, "
+          f"restore {recovery['restore_s']:.2f} s)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,113 @@
+"""``ray-checkfreq bench ray``: a smoke run (its own 2-node cluster, one ``fit()``, in a child
+process) and the pure parts (k, per-round overhead, targets) without Ray."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ray_checkfreq.bench import ray_bench
+from ray_checkfreq.bench import ray_bench_job as job
+
+REQUIRED = ("k", "overhead_ours_policy", "overhead_ours_same_k", "overhead_report_sync", "overhead_report_async")
+CONFIG = {"width": 8, "layers": 1, "batch": 2, "iterations": 10, "warmup": 2, "repeats": 2, "overhead": 0.035,
+          "min_interval_s": 2.0, "epoch_len": 100, "profile_iters": 2}
+
+
+@pytest.mark.chaos
+def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
+    out = tmp_path / "ray.json"
+    # A child process: the bench starts its own cluster_utils.Cluster, and this pytest
+    # process may hold the session's Ray runtime already.
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_checkfreq.cli", "bench", "ray", "--state-mb", "2", "--iterations", "8",
+         "--warmup", "4", "--repeats", "1", "--every", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for key in REQUIRED:
+        assert math.isfinite(figures[key]), key
+    assert figures["k"] == 4
+    variants = figures["variants"]
+    assert set(variants) == set(job.VARIANTS)
+    assert variants[job.REPORT_SYNC]["checkpoints"] == [3]  # iterations 4, 8, 12 of 4 + 8
+    assert variants[job.REPORT_ASYNC]["checkpoints"] == [3]
+    assert variants[job.OURS_SAME_K]["checkpoints"][0] >= 2
+    assert variants[job.OURS_POLICY]["runs"][0]["policy_decided_before_timing"] is True
+    recovery = figures["recovery"]
+    assert recovery["killed_at"] == job.recovery_kill_at(4) == 10
+    # The snapshot of iteration 8 lives in the agents' slots: the restart loses only what
+    # followed it, never more than one interval.
+    assert 0 < recovery["lost_iterations"] <= 4, recovery
+    assert recovery["restart_to_first_step_s"] > recovery["restore_s"] >= 0
+    for name in ("ours_policy_within_p", "ours_same_k_vs_sync", "ours_same_k_below_async"):
+        assert f"target {name}: " in done.stdout
+
+
+def test_k_is_the_smallest_interval_past_the_report_throttle():
+    assert job.choose_k(0.2, 2.0) == 10
+    assert job.choose_k(0.21, 2.0) == 10  # 9 x 0.21 s = 1.89 s is too short
+    assert job.choose_k(0.19, 2.0) == 11
+    assert job.choose_k(5.0, 2.0) == 1
+
+
+def test_the_kill_lands_mid_interval_after_the_second_checkpoint():
+    for k in (2, 4, 7, 10):
+        at = job.recovery_kill_at(k)
+        assert 2 * k < at < 3 * k
+
+
+def _results() -> list[dict]:
+    """Two rounds whose baselines differ by 2x: each round's overhead is against its own."""
+    rows = []
+    for repeat, base in ((0, 10.0), (1, 20.0)):
+        scale = base / 10.0
+        for variant, seconds in ((job.BASELINE, 10.0), (job.REPORT_SYNC, 15.0), (job.REPORT_ASYNC, 11.0),
+                                 (job.OURS_POLICY, 10.3), (job.OURS_SAME_K, 10.5)):
+            row = {"kind": "variant", "variant": variant, "repeat": repeat, "k": 10, "seconds": seconds * scale,
+                   "checkpoints": 1}
+            if variant == job.OURS_POLICY:
+                row["k_used"] = 25
+            rows.append(row)
+    rows.append({"kind": "recovery", "killed_at": 25, "k": 10, "restored_step": 20, "lost_iterations": 5,
+                 "source": "slot", "kill_to_function_start_s": 9.0, "restore_s": 0.5,
+                 "restart_to_first_step_s": 10.0})
+    return rows
+
+
+def test_overhead_is_against_the_same_rounds_baseline():
+    figures = ray_bench.summarize(_results(), CONFIG)
+    assert figures["overhead_report_sync"] == pytest.approx(0.5)
+    assert figures["overhead_report_async"] == pytest.approx(0.1)
+    assert figures["overhead_ours_policy"] == pytest.approx(0.03)
+    assert figures["overhead_ours_same_k"] == pytest.approx(0.05)
+    assert figures["variants"][job.OURS_SAME_K]["overhead"]["max"] == pytest.approx(0.05)
+    assert figures["checkpoints_per_epoch"][job.OURS_POLICY] == pytest.approx(100 / 25)
+    assert figures["checkpoints_per_epoch"][job.REPORT_SYNC] == pytest.approx(100 / 10)
+    assert figures["recovery"]["lost_iterations"] == 5
+
+
+def test_targets_say_met_and_not_met():
+    figures = ray_bench.summarize(_results(), CONFIG)
+    targets = figures["targets"]
+    assert targets["ours_policy_within_p"]["met"] is True  # 3 % <= 3.5 %
+    assert targets["ours_same_k_vs_sync"]["met"] is True  # 0.5 / 0.05 = 10x
+    assert targets["ours_same_k_below_async"]["met"] is True
+    figures["overhead_ours_same_k"] = 0.2
+    figures["overhead_ours_policy"] = 0.04
+    targets = ray_bench.targets(figures, 0.035)
+    assert not any(target["met"] for target in targets.values())
+
+
+def test_bad_settings_name_the_flag(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    ray_bench.add_arguments(parser)
+    with pytest.raises(ValueError, match="--repeats=0"):
+        ray_bench.job_config(parser.parse_args(["--repeats", "0"]), str(tmp_path))
+    with pytest.raises(ValueError, match="--overhead=1.5"):
+        ray_bench.job_config(parser.parse_args(["--overhead", "1.5"]), str(tmp_path))
