@@ -124,7 +124,7 @@ def _fit(config: dict, work_dir: str) -> None:
         run_config=RunConfig(name="bench-ray", storage_path=os.path.join(work_dir, "results"),
                              failure_config=FailureConfig(max_failures=1 if config["kill"] else 0),
                              checkpoint_config=CheckpointConfig(num_to_keep=1),
-                             callbacks=[CheckFreqCallback()]),
+                             callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
     )
     trainer.fit()
 

@@ -74,7 +74,9 @@ class Job:
         self.optimizer.step()
 
     def state(self) -> dict:
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from ray_checkfreq.ray import unwrap_model
+
+        return {"model": unwrap_model(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def timed(self, after_step: Callable[[int], None], warmup: int, iterations: int) -> float:
         """Seconds from the first timed iteration to the last; ``after_step(i)`` follows each step."""
@@ -133,9 +135,9 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
     cf = _checkfreq(job, storage, k)
     cf.restore()
     profiling = 0
-    # The policy's profiling window is start-up: untimed until its k is applied (every rank
-    # applies it at the same iteration, so all ranks leave this loop together).
-    while k is None and cf.stats()["k"] is None and profiling < POLICY_WAIT_ITERS:
+    # The policy's profiling window is start-up: untimed until rank 0 has its k. Rank 0
+    # says when (a broadcast per warm-up iteration), so every rank leaves at the same one.
+    while k is None and profiling < POLICY_WAIT_ITERS and not _rank0_says(cf.stats()["k"] is not None):
         job.train_step()
         cf.step()
         profiling += 1
@@ -175,6 +177,10 @@ def _broadcast_int(value: int) -> int:
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def _rank0_says(flag: bool) -> bool:
+    return bool(_broadcast_int(int(flag)))
 
 
 def _agreed_k(job: Job, baseline: dict) -> int:
