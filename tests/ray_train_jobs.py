@@ -21,11 +21,14 @@ DIGITS_BATCH = 64
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The first 1792 digits: every global batch is full. A last partial batch would be
+    split unevenly across ranks, and a per-rank mean loss then weighs its samples by the
+    world size, so a run resized before it could not follow the fixed run."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    images = torch.tensor(data.images, dtype=torch.float64).unsqueeze(1) / 16.0
-    return images, torch.tensor(data.target, dtype=torch.int64)
+    images = torch.tensor(data.images[:1792], dtype=torch.float64).unsqueeze(1) / 16.0
+    return images, torch.tensor(data.target[:1792], dtype=torch.int64)
 
 
 def small_cnn() -> torch.nn.Module:
@@ -62,7 +65,7 @@ def train(config: dict) -> None:
     import ray.train.torch
 
     from ray_checkfreq.data import resumable
-    from ray_checkfreq.ray import CheckFreq, RayConfig
+    from ray_checkfreq.ray import CheckFreq, RayConfig, RegistrationConfig
 
     work_dir = config["work_dir"]
     context = ray.train.get_context()
@@ -75,7 +78,8 @@ def train(config: dict) -> None:
     _install_slow_seal(config, work_dir)
     _debug_log_decisions(work_dir, rank)
     cf = CheckFreq(model=model, optimizer=optimizer, data=data, every=config.get("every", 4), epoch_len=epoch_len,
-                   compress=False, ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0)))
+                   compress=False, ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0),
+                                                        registration=RegistrationConfig(every=config.get("register_every"))))
     start = cf.restore()
     _release_held_persists(work_dir, rank, cf)
     log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id,
@@ -92,6 +96,8 @@ def train(config: dict) -> None:
             log(work_dir, rank, event="batch", iteration=cf.iteration, epoch=_epoch_of(data, cf.iteration, epoch_len),
                 ids=ids.tolist())
             _faults(config, work_dir, rank, cf)
+            if config.get("check_pointers") and rank == 0:
+                _check_pointers(work_dir, cf)
             if config.get("sleep_s"):
                 time.sleep(config["sleep_s"])
             if cf.iteration >= total:
@@ -122,6 +128,18 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
         log(work_dir, rank, event="kill", iteration=cf.iteration)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _check_pointers(work_dir: str, cf: Any) -> None:
+    """Log a live pointer checkpoint whose step is gone from the store (it must never happen)."""
+    from ray_checkfreq.ray.registration import PointedSteps
+
+    storage = cf._registrar.storage
+    pointed = PointedSteps(storage.storage_filesystem, storage.experiment_fs_path, cf.store.uri)
+    missing = pointed() - {ref.step for ref in cf.store.list()}
+    still_pointed = missing & pointed()  # Ray may delete a pointer, then retention its step, meanwhile
+    if still_pointed:
+        log(work_dir, 0, event="dangling", iteration=cf.iteration, steps=sorted(still_pointed))
 
 
 def _release_held_persists(work_dir: str, rank: int, cf: Any) -> None:

@@ -132,3 +132,38 @@ def test_every_rank_applies_rank0s_plan_one_iteration_later():
         assert action == planned
         assert action is None or action.iteration == iteration
     os.environ.pop("MASTER_ADDR", None)
+
+
+def test_the_stop_iteration_leaves_the_margin_before_the_deadline():
+    from ray_checkfreq.ray.preemption import Notice, stop_iteration
+
+    notice = Notice(node_id="a", deadline_s=100.0, seen_s=50.0)
+    # 100 - (1.5 * 4 + 2 * 0.5 + 0.5) = 92.5 is the last safe moment: 85 iterations of 0.5 s from 50.
+    at = stop_iteration(now_s=50.0, notice=notice, iteration=10, iter_s=0.5, persist_s=4.0, detection_lag_s=0.5)
+    assert at == 10 + 85
+    late = stop_iteration(now_s=99.0, notice=notice, iteration=10, iter_s=0.5, persist_s=4.0, detection_lag_s=0.5)
+    assert late == 10  # past the safe moment: at once
+    none = Notice(node_id="a", deadline_s=None, seen_s=50.0)
+    assert stop_iteration(now_s=50.0, notice=none, iteration=7, iter_s=0.5, persist_s=1.0, detection_lag_s=0.5) == 7
+
+
+def test_the_drain_watcher_reports_only_the_runs_nodes():
+    import time
+
+    from ray_checkfreq.ray.preemption import DrainWatcher
+
+    drains: dict = {}
+    watcher = DrainWatcher({"a", "b"}, poll_s=0.01, source=lambda: dict(drains))
+    try:
+        drains["other"] = 5.0
+        time.sleep(0.1)
+        assert watcher.notice is None
+        drains["b"] = 123.0
+        deadline = time.monotonic() + 5
+        while watcher.notice is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.notice is not None
+        assert (watcher.notice.node_id, watcher.notice.deadline_s) == ("b", 123.0)
+        assert watcher.draining() == {"b"}
+    finally:
+        watcher.close()

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.chaos
 
 TRAIN_RESOURCE = "rcf_train"
 ITERATIONS = 40
+SAMPLES = 1792  # the job's digits: 28 full global batches of 64
+EPOCH_LEN = 28
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +219,7 @@ def test_a_run_at_two_workers_resumes_at_one_with_every_sample_once(reference, t
     first, work_dir = fit(tmp_path, "resize", run_name=name, max_failures=0, kill={"rank": 1, "iteration": 34})
     assert isinstance(first, Exception)  # no retries: the run stops at the kill
     committed = CheckpointStore(str(tmp_path / "results" / name / "checkfreq")).latest()
-    assert committed is not None and committed.step >= 29
+    assert committed is not None and committed.step >= EPOCH_LEN
     second, _ = fit(tmp_path, "resize", run_name=name, workers=1)
     assert not isinstance(second, Exception), second
     starts = events(work_dir, 0, "start")
@@ -226,8 +228,8 @@ def test_a_run_at_two_workers_resumes_at_one_with_every_sample_once(reference, t
     batches = kept_batches(work_dir, ranks=2)
     epoch0 = sorted(i for b in batches if b["epoch"] == 0 for i in b["ids"])
     epoch1 = [i for b in batches if b["epoch"] == 1 for i in b["ids"]]
-    assert epoch0 == list(range(1797))
-    assert len(epoch1) == len(set(epoch1)) == (ITERATIONS - 29) * 64
+    assert epoch0 == list(range(SAMPLES))
+    assert len(epoch1) == len(set(epoch1)) == (ITERATIONS - EPOCH_LEN) * 64
     # The global batch is fixed (64), so one worker follows two up to float reduction order.
     for key, value in final_weights(work_dir).items():
         torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)
@@ -264,6 +266,56 @@ def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(
     assert 12 <= starts[1]["iteration"] <= 16
     batches = kept_batches(work_dir, ranks=2)
     epoch0 = sorted(i for b in batches if b["epoch"] == 0 for i in b["ids"])
-    assert epoch0 == list(range(1797))
+    assert epoch0 == list(range(SAMPLES))
     for key, value in final_weights(work_dir).items():
         torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)
+
+
+def drain(cluster, node_id: str, deadline_s: float) -> None:
+    """A preemption notice as the autoscaler sends it (the node keeps running)."""
+    import ray._raylet
+    from ray.core.generated import autoscaler_pb2
+
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test notice",
+        int(deadline_s * 1000))
+    assert accepted, why
+
+
+def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes, tmp_path):
+    ensure_train_nodes(train_nodes, 3)  # one spare for the restart
+    work = tmp_path / "notice"
+    os.makedirs(work)
+    noticed: dict = {}
+
+    def drain_then_remove() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                batches = events(str(work), 0, "batch")
+            except FileNotFoundError:
+                batches = []
+            if batches and batches[-1]["iteration"] >= 10:
+                node_id = events(str(work), 0, "start")[0]["node"]
+                noticed.update(node=node_id, deadline=time.time() + 3.0)
+                drain(train_nodes, node_id, noticed["deadline"])
+                time.sleep(max(0.0, noticed["deadline"] - time.time()) + 1.0)
+                node = next(n for n in train_nodes.worker_nodes if n.node_id == node_id)
+                train_nodes.remove_node(node, allow_graceful=False)  # after the deadline: a preemption
+                return
+            time.sleep(0.05)
+
+    preempter = threading.Thread(target=drain_then_remove, daemon=True)
+    preempter.start()
+    # max_failures=0: a preemption restart is not a failure
+    result, work_dir = fit(tmp_path, "notice", sleep_s=0.2, max_failures=0)
+    preempter.join(timeout=30)
+    assert not isinstance(result, Exception), result
+    assert noticed, "no notice was sent"
+    starts = events(work_dir, 0, "start")
+    assert len(starts) == 2
+    # Every rank blocked inside cf.step() of the stop iteration, before logging it.
+    trained = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
+    assert starts[1]["iteration"] == trained + 1
+    assert starts[1]["restore"]["lost_after_notice"] == 0
+    assert_same_weights(final_weights(work_dir), reference)

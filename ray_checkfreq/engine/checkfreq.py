@@ -127,6 +127,9 @@ class CheckFreq:
         self.decision: Decision | None = None
         self.profile: Profile | None = None
         self.stop_requested = False  # an applied action asked the run to stop (a preemption)
+        # Planner only: checkpoint at this iteration (or the first one planned after it) and stop.
+        self.stop_at: int | None = None
+        self._stop_planned = False
         self._seams = seams if seams is not None else EngineSeams()
         self._decisions = self._seams.decisions
         self._snapshotter = Snapshotter("cpu", host_memory=self._seams.host_memory)
@@ -303,6 +306,13 @@ class CheckFreq:
     def _plan(self, at: int) -> Action | None:
         """What to do right after iteration ``at``. Its bookkeeping happens here, once, so
         the same checkpoint is never planned twice; None when nothing is to be done."""
+        if self._stop_planned:
+            return None
+        if self.stop_at is not None and at >= self.stop_at:
+            self._stop_planned = True
+            epoch_boundary, codec = self._plan_checkpoint(at, self._is_epoch_end(at))
+            return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self._k,
+                          stop=True)
         checkpoint = self._advance_profiling(at) if self._profiling is not None else self._plan_due(at)
         if checkpoint is None and self._k == self._planned_k:
             return None

@@ -8,6 +8,7 @@ This package imports Ray; the layers below it never do.
 from __future__ import annotations
 
 from ray_checkfreq.ray.callback import CheckFreqCallback
+from ray_checkfreq.ray.registration import RegistrationConfig, load
 from ray_checkfreq.ray.session import CheckFreq, RayConfig, unwrap_model
 
-__all__ = ["CheckFreq", "CheckFreqCallback", "RayConfig", "unwrap_model"]
+__all__ = ["CheckFreq", "CheckFreqCallback", "RayConfig", "RegistrationConfig", "load", "unwrap_model"]

@@ -86,13 +86,25 @@ class SlotPersister(PersistWorker):
 
     def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None, *,
                  agent: Any, persists: bool, generation: Callable[[], int],
-                 on_agent_lost: Callable[[], Any] | None = None) -> None:
+                 on_agent_lost: Callable[[], Any] | None = None, route: Callable[[], Any] | None = None,
+                 replica_wait_s: float = 30.0) -> None:
         self.agent = agent
         self._on_agent_lost = on_agent_lost
+        self._route = route
+        self._replica_wait_s = replica_wait_s
         self.persists = persists
         self._generation = generation
         self._last_agent_result: dict | None = None
         super().__init__(store, on_done=on_done)
+
+    def _persist_source(self, path: str, header: slots.SlotHeader) -> tuple[Any, str, int]:
+        """Own agent and slot; while this node drains, another node's agent and its replica."""
+        target = self._route() if self._route is not None else None
+        if target is None:
+            return self.agent, path, header.seq
+        replica_path, seq = _replica_slot(target, header.step, self._replica_wait_s)
+        logger.warning("persisting iteration %d from another node's replica (this node is draining)", header.step)
+        return target, replica_path, seq
 
     def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, Any]:
         start = time.perf_counter()
@@ -103,8 +115,9 @@ class SlotPersister(PersistWorker):
             header = slot.finish_write(snapshot.state)
             if not self.persists:
                 return None, None
-            done = ray.get(self.agent.persist.remote(
-                slot.path, header.seq, self.store, self._generation(),
+            agent, path, seq = self._persist_source(slot.path, header)
+            done = ray.get(agent.persist.remote(
+                path, seq, self.store, self._generation(),
                 codec=options.get("codec"), epoch_boundary=snapshot.epoch_boundary))
         except ray.exceptions.RayActorError as err:
             if self._on_agent_lost is None:
@@ -118,6 +131,18 @@ class SlotPersister(PersistWorker):
         return PersistResult(step=snapshot.step, seconds=time.perf_counter() - start, copy_s=copied - start,
                              codec=str(done["codec"]), raw_bytes=snapshot.size_bytes,
                              stored_bytes=int(done["stored_bytes"]), uri=str(done["uri"])), None
+
+
+def _replica_slot(agent: Any, step: int, timeout_s: float) -> tuple[str, int]:
+    """(path, seq) of ``agent``'s COMPLETE slot of ``step``, once its rank has sealed it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for header in ray.get(agent.slot_headers.remote(), timeout=timeout_s):
+            if header["state"] == slots.SLOT_COMPLETE and header["step"] == step:
+                return str(header["path"]), int(header["seq"])
+        if time.monotonic() > deadline:
+            raise slots.SlotError("<replica>", f"no complete replica of step {step} after {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _persist_error(step: int, err: BaseException) -> PersistError:

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -35,11 +35,16 @@ from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
+from ray_checkfreq.ray.metrics import CheckFreqMetrics
+from ray_checkfreq.ray.preemption import DrainWatcher, Notice, stop_iteration
+from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.restart import RestoreChoice, choose_source
 from ray_checkfreq.ray.transfer import all_gather_json, all_gather_state, broadcast_json, broadcast_state
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
+
+NOTICES_NAME = "checkfreq-notices.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +57,8 @@ class RayConfig:
     for this long removes its slots and exits (runs without ``CheckFreqCallback``).
     ``slots``: 2 (A/B: a new snapshot never overwrites the newest complete one) or 1
     (half the RAM; a crash mid-copy then leaves only storage to restore from).
+    ``registration``: when pointer checkpoints are reported to Ray Train (None: never).
+    ``metrics_every_s``: how often rank 0 records its figures as Ray metrics (None: never).
     """
 
     restart_wait_s: float = 120.0
@@ -60,9 +67,14 @@ class RayConfig:
     slots: int = 2
     shm_dir: str = "/dev/shm"
     use_agents: bool = True
+    watch_preemption: bool = True
+    drain_poll_s: float = 0.5
+    replica_wait_s: float = 30.0
+    registration: RegistrationConfig | None = field(default_factory=RegistrationConfig)
+    metrics_every_s: float | None = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s"):
+        for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s", "drain_poll_s", "replica_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0 seconds")
         if self.slots not in (1, 2):
@@ -105,6 +117,13 @@ class CheckFreq:
         self._renewed = time.monotonic()
         self._memory = SlotMemory(self.agent, generation=self._current_generation) if self.agent else None
         self._decisions = BroadcastDecisions(self._group, self.rank)
+        self._watcher = (DrainWatcher(set(self.nodes), poll_s=self.ray_config.drain_poll_s)
+                         if self.rank == 0 and self.ray_config.watch_preemption else None)
+        self.notices: list[dict] = []
+        self._last_step_s: float | None = None
+        self._iter_s = 0.0
+        self.metrics = self._new_metrics()
+        self._registrar = self._new_registrar(storage, context, engine_options.get("overhead", 0.035))
         seams = EngineSeams(
             decisions=self._decisions,
             persister=self._persister,
@@ -132,13 +151,52 @@ class CheckFreq:
         ray.get(handle.renew.remote())
         return handle
 
+    def _new_metrics(self) -> CheckFreqMetrics | None:
+        every_s = self.ray_config.metrics_every_s
+        if self.rank != 0 or every_s is None:
+            return None
+        return CheckFreqMetrics(run=self.run, rank=self.rank, node_id=self.node_id, every_s=every_s)
+
+    def _new_registrar(self, storage: Any, context: Any, overhead: float) -> Registrar | None:
+        config = self.ray_config.registration
+        if config is None:
+            return None
+        run_storage = context.get_storage()
+        if self.store.protected_steps is None:
+            self.store.protected_steps = PointedSteps(run_storage.storage_filesystem, run_storage.experiment_fs_path,
+                                                      self.store.uri)
+        return Registrar(rank=self.rank, group=self._control_group, store=self.store, storage=run_storage,
+                         run_filesystem=storage is None, overhead=overhead, config=config,
+                         metrics=lambda: _report_metrics(self.engine.stats()),
+                         on_registered=self.metrics.record_registration if self.metrics is not None else None)
+
+    def _persisted(self, result: Any) -> None:
+        """Rank 0: a persist committed (from the persist thread)."""
+        if self._registrar is not None:
+            self._registrar.committed(result.step)
+        if self.metrics is not None:
+            self.metrics.record_persist(result.seconds, result.stored_bytes)
+
     def _persister(self, store: CheckpointStore, on_done: Any) -> Any:
+        on_done = _also(self._persisted, on_done)
         if self.agent is None:
             if self.rank == 0:
                 return PersistWorker(store, on_done=on_done)
             return _NoPersist()
         return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
-                             generation=self._current_generation, on_agent_lost=self._replace_agent)
+                             generation=self._current_generation, on_agent_lost=self._replace_agent,
+                             route=self._persist_route, replica_wait_s=self.ray_config.replica_wait_s)
+
+    def _persist_route(self) -> Any:
+        """Another node's agent to persist from when this node is draining, else None (own)."""
+        if self._watcher is None or self.node_id not in self._watcher.draining():
+            return None
+        draining = self._watcher.draining()
+        live = agents.live_agents(self.run)
+        for node in dict.fromkeys(self.nodes):
+            if node not in draining and node in live:
+                return live[node]
+        return None
 
     def _replace_agent(self) -> Any:
         """The node's agent died mid-run (noticed by a persist, off the training thread):
@@ -168,16 +226,32 @@ class CheckFreq:
             self.engine.load_cached_profile()
         if choice.kind == "none":
             self.restore_info = {"kind": "none", "step": 0, "seconds": 0.0}
+            self._restored(0, None)
             return 0
         state = self._load(choice)
         iteration = self.engine.apply_state(state)
         del state
         self.restore_info = {"kind": choice.kind, "step": iteration, "node_id": choice.node_id,
-                             "committed_step": choice.committed_step, "seconds": time.perf_counter() - started}
+                             "committed_step": choice.committed_step, "seconds": time.perf_counter() - started,
+                             "lost_after_notice": self._lost_after_notice(iteration)}
         if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
             self._persist_restored_slot(choice)
         logger.info("rank %d restored iteration %d from %s", self.rank, iteration, choice.kind)
+        self._restored(iteration, iteration if choice.kind == "storage" else choice.committed_step)
         return iteration
+
+    def _restored(self, iteration: int, committed_step: int | None) -> None:
+        if self._registrar is not None:
+            self._registrar.start(iteration, committed_step)
+        if self.metrics is not None and self.restore_info is not None:
+            self.metrics.record_restore(self.restore_info["kind"], self.restore_info.get("lost_after_notice"))
+
+    def _lost_after_notice(self, restored: int) -> int | None:
+        """Iterations lost when the previous attempt stopped on a notice (else None)."""
+        record = self.store.read_metadata(NOTICES_NAME)
+        if not record or not isinstance(record.get("stopped_at"), int):
+            return None
+        return max(0, record["stopped_at"] - restored)
 
     def _choose(self) -> RestoreChoice:
         live = agents.live_agents(self.run)
@@ -258,11 +332,62 @@ class CheckFreq:
 
     # ----------------------------------------------------------------- steps
     def step(self) -> None:
-        """Call once per iteration, after ``optimizer.step()``, on every rank."""
+        """Call once per iteration, after ``optimizer.step()``, on every rank.
+
+        After a preemption notice, the checkpoint of the chosen iteration is taken and made
+        durable, and then this call blocks on every rank until Ray Train stops the group.
+        """
+        self._time_iteration()
+        if self._watcher is not None:
+            self._plan_for_notice(self._watcher.notice)
         self.engine.step()
+        self._after_step_hooks()
         if self.agent is not None and time.monotonic() - self._renewed > self.ray_config.agent_lease_s / 4:
             self._renewed = time.monotonic()
             self.agent.renew.remote()
+        if self.engine.stop_requested:
+            self._stop_and_wait()
+
+    def _after_step_hooks(self) -> None:
+        """Registration with Ray Train (a collective at agreed iterations) and rank 0's metrics."""
+        if self._registrar is not None:
+            self._registrar.after_step(self.engine.iteration)
+        if self.metrics is not None:
+            self.metrics.record_notices(len(self.notices))
+            self.metrics.maybe_record_stats(self.engine.stats())
+
+    def _time_iteration(self) -> None:
+        now = time.monotonic()
+        if self._last_step_s is not None:
+            spent = now - self._last_step_s
+            self._iter_s = spent if self._iter_s == 0 else 0.9 * self._iter_s + 0.1 * spent
+        self._last_step_s = now
+
+    def _plan_for_notice(self, notice: Notice | None) -> None:
+        if notice is None or self.engine.stop_at is not None:
+            return
+        persist_s = self.engine.stats()["last_persist_s"] or 0.0
+        earliest = self.engine.iteration + 1 + self._decisions.lookahead  # what the next step() plans
+        self.engine.stop_at = stop_iteration(now_s=time.time(), notice=notice, iteration=earliest,
+                                             iter_s=self._iter_s, persist_s=persist_s,
+                                             detection_lag_s=self.ray_config.drain_poll_s)
+        self.notices.append({"node_id": notice.node_id, "deadline_s": notice.deadline_s, "seen_s": notice.seen_s,
+                             "iteration": self.engine.stop_at})
+        logger.warning("preemption notice: checkpoint at iteration %d, then stop", self.engine.stop_at)
+
+    def _stop_and_wait(self) -> None:
+        """Make the stop checkpoint durable (rank 0), then block until the group is torn down:
+        returning would end the run as finished, raising would count as a failure."""
+        if self.rank == 0:
+            self.engine.flush()
+            record = self.notices[-1] if self.notices else {}
+            record["committed_s"] = time.time()
+            if record.get("deadline_s"):
+                record["committed_before_deadline_s"] = record["deadline_s"] - record["committed_s"]
+            self.store.write_metadata(NOTICES_NAME, {"notices": self.notices, "stopped_at": self.engine.iteration})
+            logger.warning("preemption: iteration %d is durable; waiting for the restart", self.engine.iteration)
+        while True:
+            time.sleep(1.0)
 
     def flush(self) -> float:
         return self.engine.flush()
@@ -272,13 +397,21 @@ class CheckFreq:
         try:
             self.engine.close()
         finally:
+            if self._watcher is not None:
+                self._watcher.close()
             self._decisions.close()
             if self._memory is not None:
                 self._memory.close()
+        if self._registrar is not None:
+            self._registrar.close(self.engine.iteration)  # after the last checkpoint is durable
+        if self.metrics is not None:
+            self.metrics.record_stats(self.engine.stats())
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
-                "snapshots": self.snapshots, "restore": self.restore_info}
+                "snapshots": self.snapshots, "restore": self.restore_info, "notices": list(self.notices),
+                "metrics": self.metrics.values() if self.metrics is not None else None,
+                "registration": self._registrar.stats() if self._registrar is not None else None}
 
     @property
     def iteration(self) -> int:
@@ -307,6 +440,21 @@ class _NoPersist:
 
     def close(self) -> None:
         return None
+
+
+def _also(first: Any, then: Any) -> Any:
+    def both(result: Any) -> None:
+        first(result)
+        if then is not None:
+            then(result)
+
+    return both
+
+
+def _report_metrics(stats: Mapping[str, Any]) -> dict:
+    """The engine's figures that go into a Ray Train report (plain numbers)."""
+    keys = ("k", "checkpoints_committed", "stall_s_total", "overhead_estimate", "bytes_written", "last_persist_s")
+    return {f"checkfreq_{key}": stats[key] for key in keys if isinstance(stats.get(key), (int, float))}
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
