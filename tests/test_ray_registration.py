@@ -133,6 +133,44 @@ def test_registration_config_is_validated(bad):
         RegistrationConfig(**bad)
 
 
+def rank0_registrar(tmp_path, store: CheckpointStore, every: int = 8):
+    from ray_checkfreq.ray.registration import Registrar
+
+    storage = SimpleNamespace(storage_filesystem=LOCAL, experiment_fs_path=str(tmp_path / "experiment"))
+    registrar = Registrar(rank=0, group=None, store=store, storage=storage, run_filesystem=False, overhead=0.035,
+                          config=RegistrationConfig(every=every), metrics=dict)
+    registrar.start(0, None)
+    return registrar
+
+
+def pointer_dirs(tmp_path) -> list[str]:
+    root = tmp_path / "experiment"
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+def test_rank0_plans_a_report_only_for_a_new_committed_step(tmp_path):
+    store = CheckpointStore(str(tmp_path / "store"), full_every=1)
+    registrar = rank0_registrar(tmp_path, store)
+    assert registrar._plan(8) == {"step": None, "path": None, "next_in": 2}  # nothing committed yet
+    store.save(4, state_of(4))
+    registrar.committed(4)
+    plan = registrar._plan(10)
+    assert plan["step"] == 4 and plan["next_in"] == 8 and read_pointer(LOCAL, plan["path"]).step == 4
+    registrar.registered_step = 4  # what _report records once every rank reported
+    assert registrar._plan(18)["step"] is None  # the same step is not registered twice
+    assert len(pointer_dirs(tmp_path)) == 1
+
+
+def test_a_step_gone_before_its_pointer_is_written_is_not_registered(tmp_path):
+    store = CheckpointStore(str(tmp_path / "store"), keep_last=1, keep_epoch_boundaries=False, full_every=1)
+    registrar = rank0_registrar(tmp_path, store)
+    store.save(4, state_of(4))
+    registrar.committed(4)
+    store.save(8, state_of(8))  # retention (keep_last=1, no pointer yet) takes step 4
+    assert registrar._plan(9)["step"] is None
+    assert pointer_dirs(tmp_path) == []  # the pointer it wrote was removed again
+
+
 # ---------------------------------------------------------------- metrics
 def test_metrics_are_recorded_and_kept(ray_session):
     from ray_checkfreq.ray.metrics import CheckFreqMetrics
