@@ -63,30 +63,37 @@ def test_the_kill_lands_mid_interval_after_the_second_checkpoint():
 
 
 def _results() -> list[dict]:
-    """Two rounds whose baselines differ by 2x: each round's overhead is against its own."""
+    """Two rounds on a machine that slows down: baselines 10 s, 30 s, then a closing 10 s
+    baseline. Every round's reference is 20 s (the mean of the baselines around it); each
+    variant took the reference times (1 + its overhead)."""
+    overheads = {job.REPORT_SYNC: 0.5, job.REPORT_ASYNC: 0.1, job.OURS_POLICY: 0.03, job.OURS_SAME_K: 0.05}
     rows = []
-    for repeat, base in ((0, 10.0), (1, 20.0)):
-        scale = base / 10.0
-        for variant, seconds in ((job.BASELINE, 10.0), (job.REPORT_SYNC, 15.0), (job.REPORT_ASYNC, 11.0),
-                                 (job.OURS_POLICY, 10.3), (job.OURS_SAME_K, 10.5)):
-            row = {"kind": "variant", "variant": variant, "repeat": repeat, "k": 10, "seconds": seconds * scale,
+    for repeat, base in ((0, 10.0), (1, 30.0)):
+        rows.append({"kind": "variant", "variant": job.BASELINE, "repeat": repeat, "k": 10, "seconds": base,
+                     "checkpoints": 0})
+        for variant, overhead in overheads.items():
+            row = {"kind": "variant", "variant": variant, "repeat": repeat, "k": 10, "seconds": 20.0 * (1 + overhead),
                    "checkpoints": 1}
             if variant == job.OURS_POLICY:
                 row["k_used"] = 25
             rows.append(row)
+    rows.append({"kind": "variant", "variant": job.BASELINE, "repeat": 2, "k": 10, "seconds": 10.0,
+                 "checkpoints": 0})
     rows.append({"kind": "recovery", "killed_at": 25, "k": 10, "restored_step": 20, "lost_iterations": 5,
                  "source": "slot", "kill_to_function_start_s": 9.0, "restore_s": 0.5,
                  "restart_to_first_step_s": 10.0})
     return rows
 
 
-def test_overhead_is_against_the_same_rounds_baseline():
+def test_overhead_is_against_the_baselines_around_each_round():
     figures = ray_bench.summarize(_results(), CONFIG)
     assert figures["overhead_report_sync"] == pytest.approx(0.5)
     assert figures["overhead_report_async"] == pytest.approx(0.1)
     assert figures["overhead_ours_policy"] == pytest.approx(0.03)
     assert figures["overhead_ours_same_k"] == pytest.approx(0.05)
     assert figures["variants"][job.OURS_SAME_K]["overhead"]["max"] == pytest.approx(0.05)
+    assert figures["variants"][job.BASELINE]["overhead"]["values"] == pytest.approx([-0.5, 0.5])  # the drift
+    assert len(figures["variants"][job.BASELINE]["runs"]) == 2  # the closing baseline is a reference only
     assert figures["checkpoints_per_epoch"][job.OURS_POLICY] == pytest.approx(100 / 25)
     assert figures["checkpoints_per_epoch"][job.REPORT_SYNC] == pytest.approx(100 / 10)
     assert figures["recovery"]["lost_iterations"] == 5

@@ -183,11 +183,13 @@ def _rank0_says(flag: bool) -> bool:
     return bool(_broadcast_int(int(flag)))
 
 
-def _agreed_k(job: Job, baseline: dict) -> int:
+def _agreed_k(job: Job, warmup_s: float, baseline: dict) -> int:
+    """From the faster of the warm-up's and the first baseline's iteration time: a load spike
+    during one of them must not leave k x Ti under the throttle."""
     config = job.config
     if config.get("every"):
         return int(config["every"])
-    iteration_s = baseline["seconds"] / config["iterations"]
+    iteration_s = min(warmup_s / config["warmup"], baseline["seconds"] / config["iterations"])
     return _broadcast_int(choose_k(iteration_s, config["min_interval_s"]) if job.rank == 0 else 0)
 
 
@@ -201,17 +203,20 @@ def run_variant(job: Job, variant: str, k: int, repeat: int) -> dict:
 
 
 def measure_variants(job: Job) -> int:
+    """Rounds of every variant, then one closing baseline: each round's overhead is taken
+    against the mean of the baselines before and after it, which cancels a linear drift
+    of the machine's speed."""
     config = job.config
-    job.timed(lambda i: None, 0, config["warmup"])  # first-call costs, untimed
+    warmup_s = job.timed(lambda i: None, 0, config["warmup"])  # first-call costs, not counted
     k = 0
-    for repeat in range(config["repeats"]):
-        for variant in VARIANTS:
-            figures = run_variant(job, variant, k, repeat)
-            if not k:
-                k = _agreed_k(job, figures)
-            if job.rank == 0:
-                append_result(job.results, kind="variant", variant=variant, repeat=repeat, k=k,
-                              iterations=config["iterations"], **figures)
+    schedule = [(repeat, variant) for repeat in range(config["repeats"]) for variant in VARIANTS]
+    for repeat, variant in [*schedule, (config["repeats"], BASELINE)]:
+        figures = run_variant(job, variant, k, repeat)
+        if not k:
+            k = _agreed_k(job, warmup_s, figures)
+        if job.rank == 0:
+            append_result(job.results, kind="variant", variant=variant, repeat=repeat, k=k,
+                          iterations=config["iterations"], **figures)
     return k
 
 
