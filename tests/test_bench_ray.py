@@ -63,22 +63,22 @@ def test_the_kill_lands_mid_interval_after_the_second_checkpoint():
 
 
 def _results() -> list[dict]:
-    """Two rounds on a machine that slows down: baselines 10 s, 30 s, then a closing 10 s
-    baseline. Every round's reference is 20 s (the mean of the baselines around it); each
-    variant took the reference times (1 + its overhead)."""
+    """Two rounds on a machine that slows down: baselines of 10 iterations in 10 s, 30 s, then
+    a closing 10 s. Every round's reference is 2 s per iteration (the mean of the baselines
+    around it); each variant took the reference times (1 + its overhead) per iteration."""
     overheads = {job.REPORT_SYNC: 0.5, job.REPORT_ASYNC: 0.1, job.OURS_POLICY: 0.03, job.OURS_SAME_K: 0.05}
     rows = []
     for repeat, base in ((0, 10.0), (1, 30.0)):
         rows.append({"kind": "variant", "variant": job.BASELINE, "repeat": repeat, "k": 10, "seconds": base,
-                     "checkpoints": 0})
+                     "iterations": 10, "checkpoints": 0})
         for variant, overhead in overheads.items():
             row = {"kind": "variant", "variant": variant, "repeat": repeat, "k": 10, "seconds": 20.0 * (1 + overhead),
-                   "checkpoints": 1}
-            if variant == job.OURS_POLICY:
-                row["k_used"] = 25
+                   "iterations": 10, "checkpoints": 1}
+            if variant == job.OURS_POLICY:  # its stretch spans two of its intervals: 50 iterations
+                row.update(k_used=25, iterations=50, seconds=5 * row["seconds"])
             rows.append(row)
     rows.append({"kind": "variant", "variant": job.BASELINE, "repeat": 2, "k": 10, "seconds": 10.0,
-                 "checkpoints": 0})
+                 "iterations": 10, "checkpoints": 0})
     rows.append({"kind": "recovery", "killed_at": 25, "k": 10, "restored_step": 20, "lost_iterations": 5,
                  "source": "slot", "kill_to_function_start_s": 9.0, "restore_s": 0.5,
                  "restart_to_first_step_s": 10.0})

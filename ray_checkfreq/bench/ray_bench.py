@@ -40,8 +40,9 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_thres
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-mb", type=int, default=100, help="model + Adam state in MiB (default 100)")
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per iteration (default 16)")
-    parser.add_argument("--iterations", type=int, default=60, help="timed iterations per variant (default 60)")
-    parser.add_argument("--warmup", type=int, default=15, help="untimed iterations before them (default 15)")
+    parser.add_argument("--iterations", type=int, default=40,
+                        help="timed iterations per variant (default 40; ours at its policy's k: at least 2 k)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed iterations before them (default 10)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--overhead", type=float, default=0.035, help="allowed overhead p (default 0.035)")
     parser.add_argument("--min-interval-s", type=float, default=2.0, help="k x Ti at least this (default 2)")
@@ -145,12 +146,13 @@ def summarize(results: list[dict], config: dict) -> dict:
         runs = [r for r in variants if r["variant"] == name and r["repeat"] in reference]
         per_variant[name] = {
             "seconds": _spread([r["seconds"] for r in runs]),
-            "overhead": _spread([r["seconds"] / reference[r["repeat"]] - 1 for r in runs]),
+            "seconds_per_iteration": _spread([r["seconds"] / r["iterations"] for r in runs]),
+            "overhead": _spread([r["seconds"] / r["iterations"] / reference[r["repeat"]] - 1 for r in runs]),
             "checkpoints": [r["checkpoints"] for r in runs],
             "k": [r.get("k_used", r["k"]) for r in runs],
             "runs": runs,
         }
-    iteration_s = statistics.median(reference.values()) / config["iterations"]
+    iteration_s = statistics.median(reference.values())
     figures = {
         "k": k,
         "iteration_s": iteration_s,
@@ -172,10 +174,10 @@ def summarize(results: list[dict], config: dict) -> dict:
 
 
 def round_baselines(variants: list[dict]) -> dict[int, float]:
-    """Each round's reference time: the mean of its own baseline and the next round's (the
+    """Each round's reference seconds per iteration: the mean of its own baseline and the next round's (the
     closing baseline after the last round), or its own where no later one exists. The
     baseline row's overhead against it shows the drift between neighbouring baselines."""
-    own = {r["repeat"]: r["seconds"] for r in variants if r["variant"] == job.BASELINE}
+    own = {r["repeat"]: r["seconds"] / r["iterations"] for r in variants if r["variant"] == job.BASELINE}
     rounds = {r["repeat"] for r in variants if r["variant"] != job.BASELINE}
     return {repeat: (own[repeat] + own.get(repeat + 1, own[repeat])) / 2 for repeat in sorted(rounds) if repeat in own}
 
@@ -206,7 +208,7 @@ def print_table(figures: dict) -> None:
           f"batch {cfg['batch']}/rank; Ti {figures['iteration_s'] * 1000:.0f} ms; k = {figures['k']} "
           f"(k x Ti = {figures['k_times_iteration_s']:.1f} s); {cfg['repeats']} interleaved rounds of "
           f"{cfg['iterations']} timed iterations after {cfg['warmup']} untimed; epoch = {cfg['epoch_len']} iterations")
-    print(f"{'variant':<14} {'k':>8} {'ckpt/epoch':>10} {'ckpts':>9} {'median s':>9} "
+    print(f"{'variant':<14} {'k':>8} {'ckpt/epoch':>10} {'ckpts':>9} {'s/iter':>9} "
           f"{'overhead':>9} {'min':>8} {'max':>8}")
     for name, entry in figures["variants"].items():
         overhead = entry["overhead"]
@@ -214,7 +216,7 @@ def print_table(figures: dict) -> None:
         ckpts = "/".join(str(c) for c in entry["checkpoints"])
         per_epoch = figures["checkpoints_per_epoch"][name]
         per_epoch_text = "-" if per_epoch is None else f"{per_epoch:.1f}"
-        print(f"{name:<14} {ks:>8} {per_epoch_text:>10} {ckpts:>9} {entry['seconds']['median']:>9.2f} "
+        print(f"{name:<14} {ks:>8} {per_epoch_text:>10} {ckpts:>9} {entry['seconds_per_iteration']['median']:>9.3f} "
               f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%}")
     print("(none: each round's baseline against the mean of it and the next one, i.e. the drift: the noise floor)")
     _print_recovery(figures["recovery"])

@@ -142,15 +142,19 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
         cf.step()
         profiling += 1
     decided = cf.stats()["k"] is not None
+    iterations = job.config["iterations"]
+    if k is None:  # the timed stretch spans at least two of the policy's intervals
+        iterations = _broadcast_int(max(iterations, 2 * (cf.stats()["k"] or 0)) if job.rank == 0 else 0)
 
     def after_step(i: int) -> None:
         cf.step()
 
-    seconds = job.timed(after_step, job.config["warmup"], job.config["iterations"])
+    seconds = job.timed(after_step, job.config["warmup"], iterations)
     stats = cf.stats()
     cf.close()
     _end_agents(cf.run)
-    return {"seconds": seconds, "checkpoints": stats["checkpoints_committed"], "k_used": stats["k"],
+    return {"seconds": seconds, "iterations": iterations, "checkpoints": stats["checkpoints_committed"],
+            "k_used": stats["k"],
             "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
             "policy_decided_before_timing": decided, "profiling_iterations": profiling,
             "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"]}
@@ -215,8 +219,8 @@ def measure_variants(job: Job) -> int:
         if not k:
             k = _agreed_k(job, warmup_s, figures)
         if job.rank == 0:
-            append_result(job.results, kind="variant", variant=variant, repeat=repeat, k=k,
-                          iterations=config["iterations"], **figures)
+            append_result(job.results, **{"kind": "variant", "variant": variant, "repeat": repeat, "k": k,
+                                          "iterations": config["iterations"], **figures})
     return k
 
 
