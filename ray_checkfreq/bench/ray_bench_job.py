@@ -154,8 +154,7 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
     cf.close()
     _end_agents(cf.run)
     return {"seconds": seconds, "iterations": iterations, "checkpoints": stats["checkpoints_committed"],
-            "k_used": stats["k"],
-            "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
+            "k_used": stats["k"], "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
             "policy_decided_before_timing": decided, "profiling_iterations": profiling,
             "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"]}
 
