@@ -154,6 +154,7 @@ def test_kill_during_the_copy_into_a_slot_never_restores_that_slot(reference, tr
     assert not isinstance(result, Exception), result
     starts = events(work_dir, 0, "start")
     assert [s["iteration"] for s in starts] == [0, 20]
+    assert starts[1]["restore"]["kind"] == "slot"  # the complete slot of 20, not a fallback from 24's
     assert_same_weights(final_weights(work_dir), reference)
 
 

@@ -114,6 +114,7 @@ class CheckFreq:
         self.generation: int | None = None
         self.agent = self._agent(model, optimizer) if self.snapshots else None
         self.restore_info: dict | None = None
+        self._fell_back = False
         self._renewed = time.monotonic()
         self._memory = SlotMemory(self.agent, generation=self._current_generation) if self.agent else None
         self._decisions = BroadcastDecisions(self._group, self.rank)
@@ -231,7 +232,8 @@ class CheckFreq:
         state = self._load(choice)
         iteration = self.engine.apply_state(state)
         del state
-        self.restore_info = {"kind": choice.kind, "step": iteration, "node_id": choice.node_id,
+        kind = "storage" if self._fell_back else choice.kind  # what was read, not only what was chosen
+        self.restore_info = {"kind": kind, "step": iteration, "node_id": choice.node_id,
                              "committed_step": choice.committed_step, "seconds": time.perf_counter() - started,
                              "lost_after_notice": self._lost_after_notice(iteration)}
         if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
@@ -293,6 +295,7 @@ class CheckFreq:
                 ok = False
         if not broadcast_json(ok, src=source, rank=self.rank, group=self._control_group):
             source, state = 0, (self.store.load() if self.rank == 0 else None)
+            self._fell_back = True
         return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
                                group=self._control_group)
 
