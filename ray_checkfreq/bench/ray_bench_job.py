@@ -108,7 +108,7 @@ def run_report(job: Job, k: int, mode_name: str) -> dict:
         nonlocal count
         if i % k:
             return
-        count += 1
+        count += i > job.config["warmup"]  # counted in the timed stretch
         if job.rank != 0:
             ray.train.report({"iteration": i}, checkpoint_upload_mode=mode)
             return
@@ -143,17 +143,25 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
         profiling += 1
     decided = cf.stats()["k"] is not None
     iterations = job.config["iterations"]
-    if k is None:  # the timed stretch spans at least two of the policy's intervals
-        iterations = _broadcast_int(max(iterations, 2 * (cf.stats()["k"] or 0)) if job.rank == 0 else 0)
+    if k is None:  # the timed stretch spans two of the policy's intervals, within the cap
+        wanted = min(max(iterations, 2 * (cf.stats()["k"] or 0)), job.config["policy_max_iterations"])
+        iterations = _broadcast_int(wanted if job.rank == 0 else 0)
+    committed_before: list[int] = []
 
     def after_step(i: int) -> None:
         cf.step()
+        if i == job.config["warmup"]:  # untimed: the warm-up's checkpoints committed, then counted
+            cf.flush()
+            committed_before.append(cf.stats()["checkpoints_committed"])
 
     seconds = job.timed(after_step, job.config["warmup"], iterations)
     stats = cf.stats()
+    cf.flush()
+    timed_checkpoints = cf.stats()["checkpoints_committed"] - committed_before[0]  # taken in the timed stretch
     cf.close()
     _end_agents(cf.run)
-    return {"seconds": seconds, "iterations": iterations, "checkpoints": stats["checkpoints_committed"],
+    return {"seconds": seconds, "iterations": iterations, "checkpoints": timed_checkpoints,
+            "checkpoints_total": stats["checkpoints_committed"],
             "k_used": stats["k"], "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
             "policy_decided_before_timing": decided, "profiling_iterations": profiling,
             "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"]}
