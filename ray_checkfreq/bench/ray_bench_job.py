@@ -135,9 +135,10 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
     cf = _checkfreq(job, storage, k)
     cf.restore()
     profiling = 0
-    # The policy's profiling window is start-up: untimed until rank 0 has its k. Rank 0
-    # says when (a broadcast per warm-up iteration), so every rank leaves at the same one.
-    while k is None and profiling < POLICY_WAIT_ITERS and not _rank0_says(cf.stats()["k"] is not None):
+    # Start-up, untimed: the policy's profiling window (until rank 0 has its k) and the run's
+    # first registration with Ray Train (a report barrier, then rare: see registration.py).
+    # Rank 0 says when (a broadcast per start-up iteration): every rank leaves at the same one.
+    while profiling < POLICY_WAIT_ITERS and not _rank0_says(_started_up(cf, policy=k is None)):
         job.train_step()
         cf.step()
         profiling += 1
@@ -163,8 +164,21 @@ def run_ours(job: Job, k: int | None, storage: str) -> dict:
     return {"seconds": seconds, "iterations": iterations, "checkpoints": timed_checkpoints,
             "checkpoints_total": stats["checkpoints_committed"],
             "k_used": stats["k"], "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
-            "policy_decided_before_timing": decided, "profiling_iterations": profiling,
+            "policy_decided_before_timing": decided, "start_up_iterations": profiling,
+            "registration": _registration(stats),
             "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"]}
+
+
+def _started_up(cf: Any, *, policy: bool) -> bool:
+    stats = cf.stats()
+    registration = stats.get("registration")
+    registered = registration is None or registration.get("registrations", 1) >= 1
+    return registered and (stats["k"] is not None or not policy)
+
+
+def _registration(stats: dict) -> dict:
+    registration = stats.get("registration") or {}
+    return {"registrations": registration.get("registrations"), "report_s": registration.get("report_s")}
 
 
 def _end_agents(run: str) -> None:
