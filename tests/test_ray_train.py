@@ -158,29 +158,42 @@ def test_kill_during_the_copy_into_a_slot_never_restores_that_slot(reference, tr
     assert_same_weights(final_weights(work_dir), reference)
 
 
+def when_rank_reaches(work: str, rank: int, iteration: int, act) -> threading.Thread:
+    """A thread that calls ``act(node id of that rank)`` once ``rank`` logged ``iteration``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                batches = events(work, rank, "batch")
+            except FileNotFoundError:
+                batches = []
+            if batches and batches[-1]["iteration"] >= iteration:
+                act(events(work, rank, "start")[0]["node"])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def remove_node_of(cluster, node_id: str) -> None:
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    cluster.remove_node(node, allow_graceful=False)
+
+
 def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_nodes, tmp_path):
     work = tmp_path / "node-loss"
     os.makedirs(work)
     removed: dict = {}
 
-    def remove_rank0_node() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                batches = events(str(work), 0, "batch")
-            except FileNotFoundError:
-                batches = []
-            if batches and batches[-1]["iteration"] >= 22:
-                node_id = events(str(work), 0, "start")[0]["node"]
-                node = next(n for n in train_nodes.worker_nodes if n.node_id == node_id)
-                train_nodes.remove_node(node, allow_graceful=False)
-                removed["node"] = node_id
-                return
-            time.sleep(0.05)
+    def remove(node_id: str) -> None:
+        remove_node_of(train_nodes, node_id)
+        removed["node"] = node_id
 
     ensure_train_nodes(train_nodes, 3)  # the third is the replacement, ready in advance
-    killer = threading.Thread(target=remove_rank0_node, daemon=True)
-    killer.start()
+    killer = when_rank_reaches(str(work), 0, 22, remove)
     result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 240}, sleep_s=0.3)
     killer.join(timeout=5)
     assert not isinstance(result, Exception), result
@@ -242,23 +255,11 @@ def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(
     os.makedirs(work)
     removed: dict = {}
 
-    def remove_rank1_node() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                batches = events(str(work), 1, "batch")
-            except FileNotFoundError:
-                batches = []
-            if batches and batches[-1]["iteration"] >= 14:
-                node_id = events(str(work), 1, "start")[0]["node"]
-                node = next(n for n in train_nodes.worker_nodes if n.node_id == node_id)
-                train_nodes.remove_node(node, allow_graceful=False)
-                removed["node"] = node_id
-                return
-            time.sleep(0.05)
+    def remove(node_id: str) -> None:
+        remove_node_of(train_nodes, node_id)
+        removed["node"] = node_id
 
-    killer = threading.Thread(target=remove_rank1_node, daemon=True)
-    killer.start()
+    killer = when_rank_reaches(str(work), 1, 14, remove)
     result, work_dir = fit(tmp_path, "elastic", workers=(1, 2), sleep_s=0.2)
     killer.join(timeout=5)
     assert not isinstance(result, Exception) and removed, result
@@ -289,25 +290,13 @@ def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes
     os.makedirs(work)
     noticed: dict = {}
 
-    def drain_then_remove() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                batches = events(str(work), 0, "batch")
-            except FileNotFoundError:
-                batches = []
-            if batches and batches[-1]["iteration"] >= 10:
-                node_id = events(str(work), 0, "start")[0]["node"]
-                noticed.update(node=node_id, deadline=time.time() + 3.0)
-                drain(train_nodes, node_id, noticed["deadline"])
-                time.sleep(max(0.0, noticed["deadline"] - time.time()) + 1.0)
-                node = next(n for n in train_nodes.worker_nodes if n.node_id == node_id)
-                train_nodes.remove_node(node, allow_graceful=False)  # after the deadline: a preemption
-                return
-            time.sleep(0.05)
+    def drain_then_remove(node_id: str) -> None:
+        noticed.update(node=node_id, deadline=time.time() + 3.0)
+        drain(train_nodes, node_id, noticed["deadline"])
+        time.sleep(max(0.0, noticed["deadline"] - time.time()) + 1.0)
+        remove_node_of(train_nodes, node_id)  # after the deadline: a preemption
 
-    preempter = threading.Thread(target=drain_then_remove, daemon=True)
-    preempter.start()
+    preempter = when_rank_reaches(str(work), 0, 10, drain_then_remove)
     # max_failures=0: a preemption restart is not a failure
     result, work_dir = fit(tmp_path, "notice", sleep_s=0.2, max_failures=0)
     preempter.join(timeout=30)

@@ -131,7 +131,8 @@ class CheckFreq:
             host_memory=self._memory,
             rng_state=self._gather_rng,
             set_rng_state=self._set_own_rng,
-            takes_snapshots=self.snapshots,
+            # Without agents (no room in /dev/shm) there is no replica to keep: rank 0 alone snapshots.
+            takes_snapshots=self.snapshots and (self.agent is not None or self.rank == 0),
         )
         self.engine = Engine(model=unwrap_model(model), optimizer=optimizer, storage=self.store, data=data,
                              extra_state=extra_state, seams=seams, **engine_options)
@@ -180,10 +181,8 @@ class CheckFreq:
 
     def _persister(self, store: CheckpointStore, on_done: Any) -> Any:
         on_done = _also(self._persisted, on_done)
-        if self.agent is None:
-            if self.rank == 0:
-                return PersistWorker(store, on_done=on_done)
-            return _NoPersist()
+        if self.agent is None:  # rank 0 without agents: persist in this process
+            return PersistWorker(store, on_done=on_done)
         return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
                              generation=self._current_generation, on_agent_lost=self._replace_agent,
                              route=self._persist_route, replica_wait_s=self.ray_config.replica_wait_s)
@@ -425,24 +424,6 @@ class CheckFreq:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _NoPersist:
-    """A rank that neither snapshots nor persists."""
-
-    busy = False
-
-    def submit(self, snapshot: Any, **options: Any) -> None:
-        raise RuntimeError("this rank does not persist")
-
-    def wait_idle(self) -> float:
-        return 0.0
-
-    def raise_if_failed(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def _also(first: Any, then: Any) -> Any:
