@@ -222,6 +222,7 @@ def print_table(figures: dict) -> None:
         print(f"{name:<14} {ks:>8} {per_epoch_text:>10} {ckpts:>11} {entry['seconds_per_iteration']['median']:>9.3f} "
               f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%}")
     print("(none: each round's baseline against the mean of it and the next one, i.e. the drift: the noise floor)")
+    _print_start_up(figures["variants"])
     _print_recovery(figures["recovery"])
     load = figures["load_average"]
     print(f"load average (1 min) before / after: {load['before']:.2f} / {load['after']:.2f}; "
@@ -231,6 +232,16 @@ def print_table(figures: dict) -> None:
         note = f", ours floored at {RATIO_FLOOR:.1%}" if floored and name != "ours_policy_within_p" else ""
         print(f"target {name}: {'met' if target['met'] else 'not met'} "
               f"({target['value']:.3g} against {target['required']:.3g}{note})")
+
+
+def _print_start_up(variants: dict) -> None:
+    runs = [r for name in (job.OURS_POLICY, job.OURS_SAME_K) for r in variants[name]["runs"]]
+    reports = [r["registration"]["report_s"] for r in runs if (r.get("registration") or {}).get("report_s")]
+    start_up = [r["start_up_iterations"] for r in runs if "start_up_iterations" in r]
+    if start_up:
+        measured = f"{statistics.median(reports):.2f} s" if reports else "not measured"
+        print(f"ours' start-up (untimed): {min(start_up)}-{max(start_up)} iterations (policy profiling, first "
+              f"registration with Ray Train; its report: {measured})")
 
 
 def _print_recovery(recovery: dict | None) -> None:
