@@ -59,6 +59,7 @@ class NodeAgent:
         self._lock = threading.Lock()  # guards the slot table
         self._persist_lock = threading.Lock()  # one persist in flight
         self._slots: dict[str, slots.MappedSlot] = {}
+        self._retired: dict[str, slots.MappedSlot] = {}  # outgrown; removed when no persist runs
         self._layout_version = 0
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
         self._in_flight: int | None = None
@@ -101,9 +102,9 @@ class NodeAgent:
                 slots.create_slot_file(path, run=self.run, node=self.node_id, incarnation=self.incarnation,
                                        data_capacity=data_bytes, meta_capacity=meta_capacity)
                 fresh[path] = slots.MappedSlot.open(path)
-            for old in current:
-                if self._in_flight is None:
-                    self._remove(old)
+            # A slot may be in a persist right now: retired slots go once no persist runs.
+            self._retired.update({slot.path: slot for slot in current})
+            self._drop_retired()
             self._slots = fresh
             return list(fresh)
 
@@ -134,14 +135,23 @@ class NodeAgent:
             finally:
                 self._in_flight = None
                 del state
+                with self._lock:
+                    self._drop_retired()
             self._persists += 1
             return {"step": header.step, "seconds": time.perf_counter() - start, "stored_bytes": ref.size_bytes,
                     "raw_bytes": header.data_bytes, "uri": ref.uri, "codec": codec or writer.config.codec,
                     "node_id": self.node_id}
 
+    def _drop_retired(self) -> None:
+        """Remove outgrown slots unless a persist is reading one (caller holds ``_lock``)."""
+        if self._in_flight is None:
+            for slot in self._retired.values():
+                self._remove(slot)
+            self._retired = {}
+
     def _slot(self, path: str) -> slots.MappedSlot:
         with self._lock:
-            slot = self._slots.get(path)
+            slot = self._slots.get(path) or self._retired.get(path)
         if slot is None:
             raise slots.SlotError(path, f"not a slot of the agent on node {self.node_id[:12]}")
         return slot
@@ -196,9 +206,9 @@ class NodeAgent:
 
     def _remove_all(self) -> None:
         with self._lock:
-            for slot in self._slots.values():
+            for slot in [*self._slots.values(), *self._retired.values()]:
                 self._remove(slot)
-            self._slots = {}
+            self._slots, self._retired = {}, {}
 
     @staticmethod
     def _remove(slot: slots.MappedSlot) -> None:
