@@ -95,3 +95,15 @@ def s3_bucket(s3_server):
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     return name
+
+
+# The Ray Train modules add and remove worker nodes of the session cluster. In a full run
+# where they came last, `Cluster.add_node` failed ("Failed to connect to GCS ... Failed to
+# find the key") although the head kept serving the other tests; run alone or right after
+# the cluster starts they pass. Not root-caused: they run first.
+_RUN_FIRST = ("test_ray_train.py", "test_ray_registration.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = [item for item in items if item.path.name in _RUN_FIRST]
+    items[:] = first + [item for item in items if item.path.name not in _RUN_FIRST]
