@@ -18,6 +18,8 @@ def _free_port() -> int:
 # Fast dead-node detection, so tests that remove a node see it within seconds.
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                       "health_check_timeout_ms": 500}
+TRAIN_RESOURCE = "rcf_train"
+TRAIN_NODES = 4
 TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
@@ -43,6 +45,12 @@ def ray_cluster():
         "num_cpus": 4, "object_store_memory": 400 << 20, "_system_config": FAST_HEALTH_CHECKS,
         "include_dashboard": False,
     })
+    # Train workers' nodes (1 CPU each), all added now: adding nodes later in the run failed
+    # ("Failed to connect to GCS ... Failed to find the key"; not root-caused). Tests only
+    # remove them: 4 cover every test's removals (see tests/test_ray_train.py).
+    for _ in range(TRAIN_NODES):
+        cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
+    cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     yield cluster
     ray.shutdown()
@@ -97,10 +105,8 @@ def s3_bucket(s3_server):
     return name
 
 
-# The Ray Train modules add and remove worker nodes of the session cluster. In a full run
-# where they came last, `Cluster.add_node` failed ("Failed to connect to GCS ... Failed to
-# find the key") although the head kept serving the other tests; run alone or right after
-# the cluster starts they pass. Not root-caused: they run first.
+# The Ray Train modules remove worker nodes of the session cluster: they run first, so the
+# other tests always see the same cluster whatever they removed.
 _RUN_FIRST = ("test_ray_train.py", "test_ray_registration.py")
 
 

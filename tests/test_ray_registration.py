@@ -198,9 +198,9 @@ ITERATIONS = 24
 
 @pytest.fixture(scope="module")
 def two_train_nodes(ray_cluster):
-    from test_ray_train import ensure_train_nodes
+    from test_ray_train import require_train_nodes
 
-    ensure_train_nodes(ray_cluster, 2)
+    require_train_nodes(ray_cluster, 2)
     yield ray_cluster
 
 

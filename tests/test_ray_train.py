@@ -28,22 +28,15 @@ EPOCH_LEN = 28
 
 @pytest.fixture(scope="module")
 def train_nodes(ray_cluster):
-    """Two worker nodes (1 CPU each) for Train workers; removed after the module."""
-    for _ in range(2):
-        ray_cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
-    ray_cluster.wait_for_nodes()
+    """The session cluster's one-CPU nodes for Train workers (conftest adds them all at start)."""
     yield ray_cluster
-    for node in list(ray_cluster.worker_nodes):
-        ray_cluster.remove_node(node, allow_graceful=True)
 
 
-def ensure_train_nodes(cluster, count: int = 2) -> None:
-    """Exactly ``count`` worker nodes for the Train workers (earlier tests remove some)."""
-    while len(cluster.worker_nodes) < count:
-        cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
-    while len(cluster.worker_nodes) > count:
-        cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=True)
-    cluster.wait_for_nodes()
+def require_train_nodes(cluster, count: int, *, exactly: bool = False) -> None:
+    """Tests only remove nodes (adding one late in a run failed): the order of the tests
+    below spends the session's 4 nodes, the drain and node-loss tests one each."""
+    have = len(cluster.worker_nodes)
+    assert have == count if exactly else have >= count, f"{have} Train nodes, this test needs {count}"
 
 
 def fit(tmp_path, name: str, *, workers: int | tuple[int, int] = 2, max_failures: int = 2,
@@ -132,7 +125,7 @@ def reference(train_nodes, tmp_path_factory):
 
 
 def test_worker_killed_while_its_agent_persists_resumes_from_the_slot(reference, train_nodes, tmp_path):
-    ensure_train_nodes(train_nodes, 2)
+    require_train_nodes(train_nodes, 2)
     # Rank 0's agent holds the persist of step 20; rank 1 dies at 22: the newest commit is 16,
     # the newest complete snapshot (20) lives only in the agent's slot.
     result, work_dir = fit(tmp_path, "kill-mid-persist", hold_persist={"iteration": 19, "seconds": 240},
@@ -146,7 +139,7 @@ def test_worker_killed_while_its_agent_persists_resumes_from_the_slot(reference,
 
 
 def test_kill_during_the_copy_into_a_slot_never_restores_that_slot(reference, train_nodes, tmp_path):
-    ensure_train_nodes(train_nodes, 2)
+    require_train_nodes(train_nodes, 2)
     # Rank 0's agent is killed at 6: rank 0 replaces it without a restart. The slot of step
     # 24 is still WRITING when rank 0 dies at 25: the restart takes step 20.
     result, work_dir = fit(tmp_path, "kill-mid-copy", slow_seal={"step": 24, "seconds": 5},
@@ -183,31 +176,6 @@ def remove_node_of(cluster, node_id: str) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
-def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_nodes, tmp_path):
-    work = tmp_path / "node-loss"
-    os.makedirs(work)
-    removed: dict = {}
-
-    def remove(node_id: str) -> None:
-        remove_node_of(train_nodes, node_id)
-        removed["node"] = node_id
-
-    ensure_train_nodes(train_nodes, 3)  # the third is the replacement, ready in advance
-    killer = when_rank_reaches(str(work), 0, 22, remove)
-    result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 240}, sleep_s=0.3)
-    killer.join(timeout=5)
-    assert not isinstance(result, Exception), result
-    assert removed, "the node was never removed"
-    first, second = events(work_dir, 0, "start")[:2]
-    other_node = events(work_dir, 1, "start")[0]["node"]
-    assert second["restore"]["kind"] == "slot"
-    assert second["restore"]["node_id"] == other_node != removed["node"]
-    # Rank 1 may finish the step rank 0 was in when its node went away: its replica is then newer.
-    reached = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
-    assert 20 <= second["iteration"] <= reached and second["restore"]["committed_step"] < second["iteration"]
-    assert_same_weights(final_weights(work_dir), reference)
-
-
 def kept_batches(work_dir: str, ranks: int) -> list[dict]:
     """Every rank's batches that survived: a restart rolls back every rank's batches after
     the iteration it began at (the attempts are counted by each rank's start events)."""
@@ -228,7 +196,7 @@ def kept_batches(work_dir: str, ranks: int) -> list[dict]:
 def test_a_run_at_two_workers_resumes_at_one_with_every_sample_once(reference, train_nodes, tmp_path):
     from ray_checkfreq import CheckpointStore
 
-    ensure_train_nodes(train_nodes, 2)
+    require_train_nodes(train_nodes, 2)
     name = f"resize-{uuid.uuid4().hex[:6]}"
     first, work_dir = fit(tmp_path, "resize", run_name=name, max_failures=0, kill={"rank": 1, "iteration": 34})
     assert isinstance(first, Exception)  # no retries: the run stops at the kill
@@ -249,30 +217,6 @@ def test_a_run_at_two_workers_resumes_at_one_with_every_sample_once(reference, t
         torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)
 
 
-def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(reference, train_nodes, tmp_path):
-    ensure_train_nodes(train_nodes, 2)
-    work = tmp_path / "elastic"
-    os.makedirs(work)
-    removed: dict = {}
-
-    def remove(node_id: str) -> None:
-        remove_node_of(train_nodes, node_id)
-        removed["node"] = node_id
-
-    killer = when_rank_reaches(str(work), 1, 14, remove)
-    result, work_dir = fit(tmp_path, "elastic", workers=(1, 2), sleep_s=0.2)
-    killer.join(timeout=5)
-    assert not isinstance(result, Exception) and removed, result
-    starts = events(work_dir, 0, "start")
-    assert [s["world_size"] for s in starts] == [2, 1]
-    assert 12 <= starts[1]["iteration"] <= 16
-    batches = kept_batches(work_dir, ranks=2)
-    epoch0 = sorted(i for b in batches if b["epoch"] == 0 for i in b["ids"])
-    assert epoch0 == list(range(SAMPLES))
-    for key, value in final_weights(work_dir).items():
-        torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)
-
-
 def drain(cluster, node_id: str, deadline_s: float) -> None:
     """A preemption notice as the autoscaler sends it (the node keeps running)."""
     import ray._raylet
@@ -285,7 +229,7 @@ def drain(cluster, node_id: str, deadline_s: float) -> None:
 
 
 def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes, tmp_path):
-    ensure_train_nodes(train_nodes, 3)  # one spare for the restart
+    require_train_nodes(train_nodes, 3)  # a spare for the restart
     work = tmp_path / "notice"
     os.makedirs(work)
     noticed: dict = {}
@@ -309,3 +253,52 @@ def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes
     assert starts[1]["iteration"] == trained + 1
     assert starts[1]["restore"]["lost_after_notice"] == 0
     assert_same_weights(final_weights(work_dir), reference)
+
+
+def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_nodes, tmp_path):
+    work = tmp_path / "node-loss"
+    os.makedirs(work)
+    removed: dict = {}
+
+    def remove(node_id: str) -> None:
+        remove_node_of(train_nodes, node_id)
+        removed["node"] = node_id
+
+    require_train_nodes(train_nodes, 3)  # a spare for the restart
+    killer = when_rank_reaches(str(work), 0, 22, remove)
+    result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 240}, sleep_s=0.3)
+    killer.join(timeout=5)
+    assert not isinstance(result, Exception), result
+    assert removed, "the node was never removed"
+    first, second = events(work_dir, 0, "start")[:2]
+    other_node = events(work_dir, 1, "start")[0]["node"]
+    assert second["restore"]["kind"] == "slot"
+    assert second["restore"]["node_id"] == other_node != removed["node"]
+    # Rank 1 may finish the step rank 0 was in when its node went away: its replica is then newer.
+    reached = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
+    assert 20 <= second["iteration"] <= reached and second["restore"]["committed_step"] < second["iteration"]
+    assert_same_weights(final_weights(work_dir), reference)
+
+
+def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(reference, train_nodes, tmp_path):
+    require_train_nodes(train_nodes, 2, exactly=True)  # losing one leaves one worker
+    work = tmp_path / "elastic"
+    os.makedirs(work)
+    removed: dict = {}
+
+    def remove(node_id: str) -> None:
+        remove_node_of(train_nodes, node_id)
+        removed["node"] = node_id
+
+    killer = when_rank_reaches(str(work), 1, 14, remove)
+    result, work_dir = fit(tmp_path, "elastic", workers=(1, 2), sleep_s=0.2)
+    killer.join(timeout=5)
+    assert not isinstance(result, Exception) and removed, result
+    starts = events(work_dir, 0, "start")
+    assert [s["world_size"] for s in starts] == [2, 1]
+    assert 12 <= starts[1]["iteration"] <= 16
+    batches = kept_batches(work_dir, ranks=2)
+    epoch0 = sorted(i for b in batches if b["epoch"] == 0 for i in b["ids"])
+    assert epoch0 == list(range(SAMPLES))
+    for key, value in final_weights(work_dir).items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)
