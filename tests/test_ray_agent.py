@@ -85,3 +85,16 @@ def test_a_persist_may_still_read_a_slot_outgrown_meanwhile(agent, tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"))
     assert agent.persist(path, header.seq, store, store.acquire_writer())["step"] == 5
     assert not os.path.exists(path)  # removed once that persist ended
+
+
+def test_a_slot_is_sent_packed_to_a_rank_on_another_node(agent):
+    from ray_checkfreq.ray.transfer import unpack_state
+
+    state = {"w": torch.arange(12, dtype=torch.float64), "n": torch.tensor([3], dtype=torch.int64)}
+    path = agent.allocate(4096, 1 << 20)[0]
+    header = write_snapshot(path, 9, state)
+    back = unpack_state(agent.read_packed(path, header.seq))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    write_snapshot(path, 10, state)  # rewritten since: the old request is refused
+    with pytest.raises(slots.SlotError, match="request was for"):
+        agent.read_packed(path, header.seq)

@@ -43,10 +43,17 @@ def test_storage_wins_over_older_slots_and_none_means_a_fresh_start():
     assert choose(None, {"a": [header(4)]}).kind == "slot"
 
 
-def test_torn_foreign_and_unreachable_slots_are_never_chosen():
-    slots = {"a": [header(28, state=SLOT_WRITING), header(30, run="other")], "c": [header(32)]}
+def test_torn_and_foreign_slots_are_never_chosen():
+    slots = {"a": [header(28, state=SLOT_WRITING), header(30, run="other")], "b": [header(12)]}
     choice = choose(16, slots, reachable=("a", "b"))
     assert (choice.kind, choice.step) == ("storage", 16)
+
+
+def test_a_slot_on_a_node_without_a_rank_comes_through_its_agent():
+    choice = choose(16, {"c": [header(20, path="C")], "a": [header(18)]}, reachable=("a", "b"))
+    assert (choice.kind, choice.step, choice.node_id, choice.via_agent) == ("slot", 20, "c", True)
+    both = choose(16, {"c": [header(20, path="C")], "b": [header(20, path="B")]}, reachable=("a", "b"))
+    assert (both.node_id, both.via_agent) == ("b", False)  # a node with a rank wins the tie
 
 
 def test_replicas_that_disagree_on_their_checksum_are_ignored():

@@ -142,6 +142,19 @@ class NodeAgent:
                     "raw_bytes": header.data_bytes, "uri": ref.uri, "codec": codec or writer.config.codec,
                     "node_id": self.node_id}
 
+    def read_packed(self, path: str, seq: int) -> Any:
+        """The COMPLETE slot ``path`` (still holding ``seq``) packed for a rank on another node:
+        a JSON layout and the bytes in one uint8 array (``transfer.unpack_state``), no pickle."""
+        from ray_checkfreq.ray.transfer import pack_state
+
+        header, state = self._slot(path).read()
+        if header.seq != seq:
+            raise slots.SlotError(path, f"holds snapshot #{header.seq}, the request was for #{seq}")
+        try:
+            return pack_state(state)
+        finally:
+            del state
+
     def _drop_retired(self) -> None:
         """Remove outgrown slots unless a persist is reading one (caller holds ``_lock``)."""
         if self._in_flight is None:

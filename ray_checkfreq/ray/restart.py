@@ -29,6 +29,7 @@ class RestoreChoice:
     seq: int | None = None
     needs_persist: bool = False  # a slot newer than the newest commit
     committed_step: int | None = None
+    via_agent: bool = False  # no rank on the slot's node: its agent sends it through the object store
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "storage", "slot"):
@@ -41,12 +42,12 @@ def choose_source(*, committed_step: int | None, slot_headers: Mapping[str, Sequ
 
     A slot wins a tie with storage (RAM is faster). Slots of one step that disagree on
     their checksum across nodes are all ignored (a replica should be bit-identical).
-    ``prefer_node`` breaks ties between nodes (rank 0's node: no broadcast hop).
+    ``prefer_node`` breaks ties between nodes (rank 0's node: no broadcast hop), then nodes
+    with a rank of this run (``reachable_nodes``); a slot on a node without one is sent
+    by its agent (``via_agent``).
     """
     by_step: dict[int, list[tuple[str, Mapping[str, Any]]]] = {}
     for node, headers in slot_headers.items():
-        if node not in reachable_nodes:
-            continue
         for header in headers:
             if header.get("state") == SLOT_COMPLETE and header.get("run") == run:
                 by_step.setdefault(int(header["step"]), []).append((node, header))
@@ -58,10 +59,10 @@ def choose_source(*, committed_step: int | None, slot_headers: Mapping[str, Sequ
             continue
         if committed_step is not None and step < committed_step:
             break
-        node, header = min(copies, key=lambda c: (c[0] != prefer_node, c[0]))
+        node, header = min(copies, key=lambda c: (c[0] != prefer_node, c[0] not in reachable_nodes, c[0]))
         return RestoreChoice(kind="slot", step=step, node_id=node, path=str(header["path"]), seq=int(header["seq"]),
                              needs_persist=committed_step is None or step > committed_step,
-                             committed_step=committed_step)
+                             committed_step=committed_step, via_agent=node not in reachable_nodes)
     if committed_step is not None:
         return RestoreChoice(kind="storage", step=committed_step, committed_step=committed_step)
     return RestoreChoice(kind="none")

@@ -39,7 +39,13 @@ from ray_checkfreq.ray.metrics import CheckFreqMetrics
 from ray_checkfreq.ray.preemption import DrainWatcher, Notice, stop_iteration
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.restart import RestoreChoice, choose_source
-from ray_checkfreq.ray.transfer import all_gather_json, all_gather_state, broadcast_json, broadcast_state
+from ray_checkfreq.ray.transfer import (
+    all_gather_json,
+    all_gather_state,
+    broadcast_json,
+    broadcast_state,
+    unpack_state,
+)
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -283,7 +289,7 @@ class CheckFreq:
 
     def _load(self, choice: RestoreChoice) -> dict:
         """The chosen state on every rank: loaded by one rank, broadcast to the others."""
-        source = self.nodes.index(choice.node_id) if choice.kind == "slot" else 0
+        source = self.nodes.index(choice.node_id) if choice.kind == "slot" and not choice.via_agent else 0
         state: Any = None
         ok = True
         if self.rank == source:
@@ -301,7 +307,15 @@ class CheckFreq:
     def _read_source(self, choice: RestoreChoice) -> dict:
         if choice.kind == "storage":
             return self.store.load()
-        assert choice.path is not None
+        assert choice.path is not None and choice.seq is not None
+        if choice.via_agent:
+            holder = agents.live_agents(self.run).get(choice.node_id or "")
+            if holder is None:
+                raise slots.SlotError(choice.path, "its node agent is gone")
+            try:
+                return unpack_state(ray.get(holder.read_packed.remote(choice.path, choice.seq), timeout=120))
+            except ray.exceptions.RayError as err:
+                raise slots.SlotError(choice.path, f"its node agent could not send it: {err}") from err
         slot = slots.MappedSlot.open(choice.path)
         header, state = slot.read(copy=True)
         slot.close()
