@@ -181,7 +181,7 @@ def test_metrics_are_recorded_and_kept(ray_session):
     metrics.record_persist(0.7, 500)
     metrics.record_restore("slot", lost_iterations=3)
     metrics.record_restore("none")
-    metrics.maybe_record_stats({"k": 9})  # not due: every_s has not passed
+    metrics.maybe_record_stats(lambda: {"k": 9})  # not due: every_s has not passed
     values = metrics.values()
     assert values["k"] == 5 and values["stall_seconds"] == 0.25 and "compression_ratio" not in values
     assert values["bytes_written"] == 1500 and values["checkpoints_committed"] == 2

@@ -176,6 +176,16 @@ def remove_node_of(cluster, node_id: str) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
+def remover(cluster, removed: dict):
+    """``act`` for ``when_rank_reaches``: remove that node, and note which in ``removed``."""
+
+    def remove(node_id: str) -> None:
+        remove_node_of(cluster, node_id)
+        removed["node"] = node_id
+
+    return remove
+
+
 def kept_batches(work_dir: str, ranks: int) -> list[dict]:
     """Every rank's batches that survived: a restart rolls back every rank's batches after
     the iteration it began at (the attempts are counted by each rank's start events)."""
@@ -259,11 +269,7 @@ def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_n
     work = tmp_path / "node-loss"
     os.makedirs(work)
     removed: dict = {}
-
-    def remove(node_id: str) -> None:
-        remove_node_of(train_nodes, node_id)
-        removed["node"] = node_id
-
+    remove = remover(train_nodes, removed)
     require_train_nodes(train_nodes, 3)  # a spare for the restart
     killer = when_rank_reaches(str(work), 0, 22, remove)
     result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 240}, sleep_s=0.3)
@@ -285,11 +291,7 @@ def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(
     work = tmp_path / "elastic"
     os.makedirs(work)
     removed: dict = {}
-
-    def remove(node_id: str) -> None:
-        remove_node_of(train_nodes, node_id)
-        removed["node"] = node_id
-
+    remove = remover(train_nodes, removed)
     killer = when_rank_reaches(str(work), 1, 14, remove)
     result, work_dir = fit(tmp_path, "elastic", workers=(1, 2), sleep_s=0.2)
     killer.join(timeout=5)

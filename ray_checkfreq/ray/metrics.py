@@ -8,6 +8,7 @@ result as it arrives. Tags: run, rank, node. Names start with ``checkfreq_``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 TAG_KEYS = ("run", "rank", "node")
@@ -50,12 +51,12 @@ class CheckFreqMetrics:
     def values(self) -> dict:
         return dict(self._values)
 
-    def maybe_record_stats(self, stats: dict) -> None:
-        """Cheap unless ``every_s`` has passed since the last record."""
+    def maybe_record_stats(self, stats: Callable[[], dict]) -> None:
+        """Cheap unless ``every_s`` has passed: only then are the stats computed and recorded."""
         now = time.monotonic()
         if now - self._last_emit >= self.every_s:
             self._last_emit = now
-            self.record_stats(stats)
+            self.record_stats(stats())
 
     def record_stats(self, stats: dict) -> None:
         figures = {"k": stats.get("k"), "stall_seconds": stats.get("stall_s_total"),

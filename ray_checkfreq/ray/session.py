@@ -369,8 +369,7 @@ class CheckFreq:
         if self._registrar is not None:
             self._registrar.after_step(self.engine.iteration)
         if self.metrics is not None:
-            self.metrics.record_notices(len(self.notices))
-            self.metrics.maybe_record_stats(self.engine.stats())
+            self.metrics.maybe_record_stats(self.engine.stats)
 
     def _time_iteration(self) -> None:
         now = time.monotonic()
@@ -389,6 +388,8 @@ class CheckFreq:
                                              detection_lag_s=self.ray_config.drain_poll_s)
         self.notices.append({"node_id": notice.node_id, "deadline_s": notice.deadline_s, "seen_s": notice.seen_s,
                              "iteration": self.engine.stop_at})
+        if self.metrics is not None:
+            self.metrics.record_notices(len(self.notices))
         logger.warning("preemption notice: checkpoint at iteration %d, then stop", self.engine.stop_at)
 
     def _stop_and_wait(self) -> None:
