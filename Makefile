@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py ray_checkfreq/codec/_kernels.c Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,dali]" "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev,dali,report]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 test: lint
