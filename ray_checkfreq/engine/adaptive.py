@@ -62,6 +62,18 @@ class AdaptiveRate:
         self._quiet_windows = 0
         self._reset_window()
 
+    def restart_at(self, k: int, *, k_floor: int | None = None) -> None:
+        """k (and its floor) set from outside; the window so far measured the old k."""
+        if k_floor is not None:
+            if k_floor < 1:
+                raise ValueError(f"k_floor={k_floor}: must be >= 1")
+            self.k_floor = k_floor
+        if k < 1:
+            raise ValueError(f"k={k}: must be >= 1")
+        self.k = max(k, self.k_floor)
+        self._quiet_windows = 0
+        self._reset_window()
+
     def _reset_window(self) -> None:
         self._samples: list[tuple[float, float, bool]] = []
 

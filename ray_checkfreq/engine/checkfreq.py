@@ -132,6 +132,7 @@ class CheckFreq:
         self._stop_planned = False
         self._seams = seams if seams is not None else EngineSeams()
         self._decisions = self._seams.decisions
+        self._observer = self._seams.observe
         self._snapshotter = Snapshotter("cpu", host_memory=self._seams.host_memory)
         self._persist = self._new_persister()
         self._fence_handle: Any = None
@@ -273,6 +274,8 @@ class CheckFreq:
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
+        if self._observer is not None:
+            self._observer(self.iteration, iter_s, stall_s, busy)
         profiling = self._profiling
         if profiling is not None:
             if profiling.measuring:  # until the measured persist is done (not a later epoch-end one)
@@ -480,6 +483,32 @@ class CheckFreq:
         self._measure_from = at
         return self._plan_checkpoint(at, self._is_epoch_end(at), codec=codec)
 
+    @property
+    def policy_ready(self) -> bool:
+        """Whether the policy decided k (profiling done, or a cached profile applied)."""
+        return self.decision is not None and self._profiling is None
+
+    @property
+    def planned_k(self) -> int | None:
+        """The k the planner plans with now (it reaches every rank with the next action)."""
+        return self._k
+
+    def set_k(self, k: int) -> None:
+        """Planner only: a k decided elsewhere (a policy shared by all ranks). The next planned
+        action carries it, so every rank switches at the same iteration; the next checkpoint
+        moves to the last one + k."""
+        if not self._decisions.is_planner:
+            raise RuntimeError("set_k() is for the rank that plans")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r}: must be an int >= 1")
+        if not self.policy_ready or self._k is None or k == self._k:
+            return
+        if self._next_checkpoint is not None:
+            self._next_checkpoint += k - self._k
+        self._k = k
+        if self._adaptive is not None:
+            self._adaptive.restart_at(k)
+
     def _live_tensors(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + tensors_in(self.optimizer.state_dict()["state"])
 
@@ -489,7 +518,7 @@ class CheckFreq:
         self._snapshotter.set_mode(self.decision.mode)
         self._k = self.decision.k
         self._next_checkpoint = first_checkpoint + self._k
-        if self.config.adaptive:
+        if self.config.adaptive and self._seams.local_adaptive:
             self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k_floor, overhead=self.config.overhead,
                                           config=self.config.adaptive_config, reference_iter_s=profile.iter_s)
         logger.info("policy: mode=%s k=%d (kmin=%d, persist needs %d, measured cost %.0f ms needs %d), %s",

@@ -163,6 +163,11 @@ class EngineSeams:
     rng_state: Callable[[], Any] = local_rng_state
     set_rng_state: Callable[[Any], None] = set_local_rng_state
     takes_snapshots: bool = True
+    # Called with (iteration, iter_s, stall_s, busy) for every timed iteration (say, to feed
+    # a policy shared by all ranks); it must not block.
+    observe: Callable[[int, float, float, bool], None] | None = None
+    # False: the planner's k adapts elsewhere (a policy shared by all ranks calls set_k).
+    local_adaptive: bool = True
 
     def __post_init__(self) -> None:
         lookahead = self.decisions.lookahead

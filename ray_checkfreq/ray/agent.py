@@ -68,6 +68,7 @@ class NodeAgent:
         self._lease_s = lease_s
         self._renewed = time.monotonic()
         self._persists = 0
+        self._policy: Any = None  # the run's PolicyActor, once found
         swept = slots.sweep_leftovers(shm_dir, SLOT_PREFIX)
         if swept:
             logger.info("node agent %s: removed %d slot files of dead agents", node_id[:8], len(swept))
@@ -119,6 +120,7 @@ class NodeAgent:
         """Encode, write and commit the COMPLETE slot ``path`` (it must still hold ``seq``)."""
         with self._persist_lock:
             start = time.perf_counter()
+            cpu_start = time.process_time()
             slot = self._slot(path)
             header, state = slot.read()
             if header.seq != seq:
@@ -138,9 +140,24 @@ class NodeAgent:
                 with self._lock:
                     self._drop_retired()
             self._persists += 1
-            return {"step": header.step, "seconds": time.perf_counter() - start, "stored_bytes": ref.size_bytes,
+            seconds = time.perf_counter() - start
+            self._report_persist(generation, {"step": header.step, "seconds": seconds, "stored_bytes": ref.size_bytes,
+                                              "cpu_s": time.process_time() - cpu_start, "node_id": self.node_id})
+            return {"step": header.step, "seconds": seconds, "stored_bytes": ref.size_bytes,
                     "raw_bytes": header.data_bytes, "uri": ref.uri, "codec": codec or writer.config.codec,
                     "node_id": self.node_id}
+
+    def _report_persist(self, generation: int, report: dict) -> None:
+        """To the run's policy actor, if there is one (not awaited: the persist is done)."""
+        from ray_checkfreq.ray.policy_actor import find_policy
+
+        if self._policy is None:
+            self._policy = find_policy(self.run)
+        if self._policy is not None:
+            try:
+                self._policy.record_persist.remote(generation, report)
+            except ray.exceptions.RayError:
+                self._policy = None
 
     def read_packed(self, path: str, seq: int) -> Any:
         """The COMPLETE slot ``path`` (still holding ``seq``) packed for a rank on another node:

@@ -36,6 +36,7 @@ from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
 from ray_checkfreq.ray.metrics import CheckFreqMetrics
+from ray_checkfreq.ray.policy_actor import PolicyLink
 from ray_checkfreq.ray.preemption import DrainWatcher, Notice, stop_iteration
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.restart import RestoreChoice, choose_source
@@ -65,6 +66,8 @@ class RayConfig:
     (half the RAM; a crash mid-copy then leaves only storage to restore from).
     ``registration``: when pointer checkpoints are reported to Ray Train (None: never).
     ``metrics_every_s``: how often rank 0 records its figures as Ray metrics (None: never).
+    ``shared_policy``: k adapts in the run's ``PolicyActor`` from every rank's iterations
+    and every agent's persists (False: from rank 0's own measurements only).
     """
 
     restart_wait_s: float = 120.0
@@ -78,6 +81,7 @@ class RayConfig:
     replica_wait_s: float = 30.0
     registration: RegistrationConfig | None = field(default_factory=RegistrationConfig)
     metrics_every_s: float | None = 5.0
+    shared_policy: bool = True
 
     def __post_init__(self) -> None:
         for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s", "drain_poll_s", "replica_wait_s"):
@@ -131,6 +135,9 @@ class CheckFreq:
         self._iter_s = 0.0
         self.metrics = self._new_metrics()
         self._registrar = self._new_registrar(storage, context, engine_options.get("overhead", 0.035))
+        self._policy = (PolicyLink(self.run, rank=self.rank, lease_s=self.ray_config.agent_lease_s)
+                        if self.ray_config.shared_policy and _adapts(engine_options) else None)
+        self._policy_version = -1
         seams = EngineSeams(
             decisions=self._decisions,
             persister=self._persister,
@@ -139,6 +146,8 @@ class CheckFreq:
             set_rng_state=self._set_own_rng,
             # Without agents (no room in /dev/shm) there is no replica to keep: rank 0 alone snapshots.
             takes_snapshots=self.snapshots and (self.agent is not None or self.rank == 0),
+            observe=self._policy.observe if self._policy is not None else None,
+            local_adaptive=self._policy is None,
         )
         self.engine = Engine(model=unwrap_model(model), optimizer=optimizer, storage=self.store, data=data,
                              extra_state=extra_state, seams=seams, **engine_options)
@@ -227,6 +236,8 @@ class CheckFreq:
         decided = broadcast_json(mine, src=0, rank=self.rank, group=self._control_group)
         choice = RestoreChoice(**decided[0])
         self.generation = int(decided[1])
+        if self._policy is not None:
+            self._policy.generation = self.generation
         started = time.perf_counter()
         if self.rank == 0:
             self.engine.load_cached_profile()
@@ -357,6 +368,8 @@ class CheckFreq:
         if self._watcher is not None:
             self._plan_for_notice(self._watcher.notice)
         self.engine.step()
+        if self._policy is not None and self.rank == 0:
+            self._follow_policy(self._policy)
         self._after_step_hooks()
         if self.agent is not None and time.monotonic() - self._renewed > self.ray_config.agent_lease_s / 4:
             self._renewed = time.monotonic()
@@ -370,6 +383,26 @@ class CheckFreq:
             self._registrar.after_step(self.engine.iteration)
         if self.metrics is not None:
             self.metrics.maybe_record_stats(self.engine.stats)
+
+    def _follow_policy(self, link: PolicyLink) -> None:
+        """Rank 0: propose the engine's profiled k once, then apply the policy actor's k (the
+        next planned action carries it to every rank)."""
+        engine = self.engine
+        if link.started is None:
+            if engine.policy_ready and engine.decision is not None and engine.profile is not None:
+                link.start(world_size=self.world_size, k=engine.decision.k, k_floor=engine.decision.k_floor,
+                           iter_s=engine.profile.iter_s, overhead=engine.config.overhead,
+                           adaptive=asdict(engine.config.adaptive_config))
+            return
+        decision = link.poll()
+        if (decision is None or decision.get("generation") != self.generation or decision.get("k") is None
+                or decision["version"] == self._policy_version):
+            return
+        self._policy_version = decision["version"]
+        if decision["k"] != engine.planned_k:
+            logger.info("policy actor: k -> %d (overhead %s, persists %s s)", decision["k"], decision["overhead"],
+                        decision["persist_s"])
+        engine.set_k(decision["k"])
 
     def _time_iteration(self) -> None:
         now = time.monotonic()
@@ -417,6 +450,8 @@ class CheckFreq:
             if self._watcher is not None:
                 self._watcher.close()
             self._decisions.close()
+            if self._policy is not None:
+                self._policy.close()
             if self._memory is not None:
                 self._memory.close()
         if self._registrar is not None:
@@ -439,6 +474,14 @@ class CheckFreq:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _adapts(engine_options: Mapping[str, Any]) -> bool:
+    """Whether the engine would pick and adapt k itself (no fixed ``every``)."""
+    config = engine_options.get("config")
+    if config is not None:
+        return config.every is None and config.adaptive
+    return engine_options.get("every") is None and engine_options.get("adaptive") is not False
 
 
 def _also(first: Any, then: Any) -> Any:

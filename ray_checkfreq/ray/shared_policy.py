@@ -1,0 +1,181 @@
+"""The policy of a whole run, fed by every rank and every node agent. Pure: no Ray.
+
+Rank 0's engine profiles the job and proposes k (``start``). From then on:
+
+- every rank reports its iterations (wall time, stall, whether checkpoint work was in
+  flight); an iteration counts once all ranks reported it, as the slowest rank saw it
+  (the step time of data-parallel training is the slowest rank's), busy if any rank was;
+- node agents report each persist (seconds, CPU seconds, bytes);
+- the engine's adaptive rate runs on those aggregated iterations: it raises k when the
+  measured overhead (stalls, or inflation against quiet iterations) exceeds p, and lowers
+  it again when overhead stays well below p;
+- a persist slower than the interval raises k at once to the persist's need
+  (``persist_margin`` x persist seconds / Ti): otherwise the next checkpoint would wait for
+  it, which is how another writer on the same store (or a slower network) shows first.
+  The need is the slowest of the last ``persist_memory`` persists, so it falls again once
+  persists are quick, and the adaptive rate then brings k down step by step.
+
+Reports carry the run's writer generation: a report of an older generation (a rank or
+agent of a group that was replaced) is ignored. ``start`` with the same world size keeps
+the k learned so far (a restart in place); another world size starts over from the
+engine's new proposal (the engine re-profiles then: the world size is in its profile's
+fingerprint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
+
+PENDING_LIMIT = 4096  # iterations waiting for the other ranks' reports, at most
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationReport:
+    """One rank's view of one iteration."""
+
+    iteration: int
+    iter_s: float
+    stall_s: float
+    busy: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistReport:
+    """One persist, as the node agent that ran it measured it."""
+
+    step: int
+    seconds: float
+    cpu_s: float = 0.0
+    stored_bytes: int = 0
+    node_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedPolicyConfig:
+    overhead: float = 0.035
+    persist_margin: float = 1.25
+    persist_memory: int = 3
+    adaptive: AdaptiveConfig = AdaptiveConfig()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.overhead < 1:
+            raise ValueError(f"overhead={self.overhead!r}: must be a fraction in (0, 1)")
+        if not self.persist_margin >= 1:
+            raise ValueError(f"persist_margin={self.persist_margin!r}: must be >= 1")
+        if self.persist_memory < 1:
+            raise ValueError(f"persist_memory={self.persist_memory!r}: must be >= 1")
+
+
+class SharedPolicy:
+    def __init__(self, config: SharedPolicyConfig | None = None) -> None:
+        self.config = config or SharedPolicyConfig()
+        self.generation = -1
+        self.world_size = 0
+        self.version = 0  # +1 whenever k changes
+        self.history: list[dict] = []  # every change of k: iteration, k, reason
+        self._rate: AdaptiveRate | None = None
+        self._base_floor = 1
+        self._iter_ref_s = 0.0
+        self._pending: dict[int, dict[int, IterationReport]] = {}
+        self._persists: deque[PersistReport] = deque(maxlen=self.config.persist_memory)
+        self._last_iteration = 0
+        self._aggregated = 0
+
+    # ------------------------------------------------------------------ start
+    def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float) -> int:
+        """Rank 0's engine has its policy (profiled or cached): the k every rank uses now."""
+        if generation < self.generation:
+            raise ValueError(f"generation {generation} is older than this run's {self.generation}")
+        if k < 1 or k_floor < 1 or not iter_s > 0 or world_size < 1:
+            raise ValueError(f"start(k={k}, k_floor={k_floor}, iter_s={iter_s}, world_size={world_size}): "
+                             "k, k_floor and world_size must be >= 1, iter_s > 0")
+        previous = self._rate if world_size == self.world_size else None
+        self.generation, self.world_size = generation, world_size
+        self._pending.clear()
+        if previous is not None:
+            return previous.k
+        self._base_floor = k_floor
+        self._iter_ref_s = iter_s
+        self._persists.clear()
+        self._rate = AdaptiveRate(k=k, k_floor=k_floor, overhead=self.config.overhead,
+                                  config=self.config.adaptive, reference_iter_s=iter_s)
+        self._changed(self._rate.k, "profile")
+        return self._rate.k
+
+    @property
+    def k(self) -> int | None:
+        return self._rate.k if self._rate is not None else None
+
+    # ---------------------------------------------------------------- reports
+    def record_iterations(self, *, generation: int, rank: int, reports: list[IterationReport]) -> None:
+        if generation != self.generation or self._rate is None or not 0 <= rank < self.world_size:
+            return  # an old group's rank, or before start: nothing to aggregate yet
+        for report in reports:
+            self._pending.setdefault(report.iteration, {})[rank] = report
+            if len(self._pending[report.iteration]) == self.world_size:
+                self._aggregate(report.iteration, self._pending.pop(report.iteration))
+        if len(self._pending) > PENDING_LIMIT:  # a rank stopped reporting: keep the newest only
+            for iteration in sorted(self._pending)[:-PENDING_LIMIT]:
+                del self._pending[iteration]
+
+    def record_persist(self, *, generation: int, report: PersistReport) -> None:
+        if generation != self.generation or self._rate is None:
+            return
+        self._persists.append(report)
+        self._apply_floor()
+
+    def _aggregate(self, iteration: int, by_rank: dict[int, IterationReport]) -> None:
+        assert self._rate is not None
+        slowest = max(by_rank.values(), key=lambda r: r.iter_s)
+        stall = max(r.stall_s for r in by_rank.values())
+        busy = any(r.busy for r in by_rank.values())
+        self._last_iteration = max(self._last_iteration, iteration)
+        self._aggregated += 1
+        new_k = self._rate.record(slowest.iter_s, stall, busy)
+        if new_k is not None:
+            self._changed(new_k, "overhead")
+
+    # ------------------------------------------------------------------- floor
+    def persist_need(self) -> int:
+        """The k at which the slowest recent persist ends before the next checkpoint."""
+        if not self._persists:
+            return 1
+        slowest = max(p.seconds for p in self._persists)
+        return max(1, math.ceil(round(self.config.persist_margin * slowest / self._iter_ref_s, 9)))
+
+    def _apply_floor(self) -> None:
+        rate = self._rate
+        assert rate is not None
+        need = self.persist_need()
+        floor = min(rate.config.k_max, max(self._base_floor, need))
+        if rate.k < floor:
+            rate.restart_at(floor, k_floor=floor)
+            self._changed(rate.k, "persist")
+        else:
+            rate.k_floor = floor  # k may come down to it again, no lower
+
+    def _changed(self, k: int, reason: str) -> None:
+        self.version += 1
+        self.history.append({"iteration": self._last_iteration, "k": k, "reason": reason,
+                             "generation": self.generation})
+
+    # ---------------------------------------------------------------- answers
+    def decision(self) -> dict:
+        """What rank 0 applies: the k, its version (new when k changed) and the figures behind it."""
+        rate = self._rate
+        return {
+            "generation": self.generation,
+            "k": self.k,
+            "version": self.version,
+            "k_floor": rate.k_floor if rate else None,
+            "overhead": rate.last_overhead if rate else None,
+            "persist_s": [p.seconds for p in self._persists],
+            "persist_cpu_s": [p.cpu_s for p in self._persists],
+            "iterations_aggregated": self._aggregated,
+            "iter_ref_s": self._iter_ref_s,
+        }
+
