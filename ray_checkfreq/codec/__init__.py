@@ -2,8 +2,8 @@
 
 Bytes in, bytes out: no Ray, no torch.distributed, no storage. Public surface:
 :func:`encode`, :func:`decode`, :func:`decode_into`, :func:`decode_numpy`, :func:`blob_info`, :func:`verify`,
-:class:`CodecConfig` and the errors. The blob format is described in
-:mod:`ray_checkfreq.codec.blob`, the near-lossless bound in
+:func:`trim`, :class:`CodecConfig` and the errors. The blob format is described in
+:mod:`ray_checkfreq.codec.blob`, the near-lossless modes and their bounds in
 :mod:`ray_checkfreq.codec.nearlossless`.
 """
 
@@ -14,6 +14,7 @@ from ray_checkfreq.codec.api import (
     decode_into,
     decode_numpy,
     encode,
+    trim,
     verify,
 )
 from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
@@ -28,5 +29,6 @@ __all__ = [
     "decode_into",
     "decode_numpy",
     "encode",
+    "trim",
     "verify",
 ]

@@ -59,13 +59,18 @@ def _as_bytes(x: Any, what: str) -> tuple[np.ndarray, dtypes.DtypeInfo, tuple[in
 
 
 def encode(x: torch.Tensor | np.ndarray, *, base: torch.Tensor | np.ndarray | None = None,
-           precision_bits: int | None = None, level: int | None = None,
-           threads: int | None = None, config: CodecConfig | None = None) -> bytes:
+           precision_bits: int | None = None, precision_factor: int | float | None = None,
+           level: int | None = None, threads: int | None = None,
+           config: CodecConfig | None = None) -> bytes:
     """Compress ``x`` into a self-describing blob; ``x`` is never modified.
 
     ``base``: the same tensor from an earlier checkpoint; the blob then stores the XOR
-    delta and :func:`decode` needs the same base. ``precision_bits``: keep that many
-    mantissa bits (see :mod:`ray_checkfreq.codec.nearlossless` for the bound).
+    delta (of the rounded values, in a near-lossless mode) and :func:`decode` needs the
+    same base. Near-lossless, one or the other (bounds in
+    :mod:`ray_checkfreq.codec.nearlossless`): ``precision_bits`` keeps that many mantissa
+    bits (relative error); ``precision_factor`` B, a power of two, rounds to multiples of
+    1/B (absolute error <= 1/(2B)) when every finite value lies in [-1, 1], else stores
+    ``x`` exactly; :func:`blob_info` tells which.
     ``level``: a zstd level for every stream instead of the tuned per-stream settings.
     ``threads``: frames coded in parallel (None: all cores).
     """
@@ -77,6 +82,7 @@ def encode(x: torch.Tensor | np.ndarray, *, base: torch.Tensor | np.ndarray | No
         if base_info != info or base_shape != shape:
             raise CodecError(f"base must match x: x is {info.name}{list(shape)}, "
                              f"base is {base_info.name}{list(base_shape)}")
+    src, factor_log2, rounded = _round_by_factor(src, info, precision_bits, precision_factor)
     if precision_bits is not None:
         nearlossless.check_supported(info, precision_bits)
     zstdparams.check_level(level)
@@ -85,12 +91,45 @@ def encode(x: torch.Tensor | np.ndarray, *, base: torch.Tensor | np.ndarray | No
     results = pool.run_indexed(lambda i: encode_frame(plan, src, base_bytes, i),
                                plan.nframes, workers)
     flags = (blobfmt.FLAG_DELTA if base is not None else 0) | _LAYOUT_FLAGS[plan.layout.kind]
+    flags |= blobfmt.FLAG_FACTOR_ROUNDED if rounded else 0
     header = blobfmt.Header(
         flags=flags, dtype=info.name, shape=shape, precision_bits=precision_bits,
-        width=plan.width, rotation=plan.layout.rotation,
+        precision_factor_log2=factor_log2, width=plan.width, rotation=plan.layout.rotation,
         frame_elems=plan.frame_bytes // info.itemsize,
         frames=tuple(entry for entry, _ in results))
     return b"".join([blobfmt.pack(header), *(s for _, streams in results for s in streams)])
+
+
+def _round_by_factor(src: np.ndarray, info: dtypes.DtypeInfo, precision_bits: int | None,
+                     precision_factor: Any) -> tuple[np.ndarray, int | None, bool]:
+    """(bytes to store, log2 of the factor or None, whether they were rounded)."""
+    if precision_factor is None:
+        return src, None, False
+    if precision_bits is not None:
+        raise CodecError(f"precision_bits={precision_bits!r} and precision_factor="
+                         f"{precision_factor!r}: give one or the other, not both")
+    factor_log2 = nearlossless.check_factor(info, precision_factor)
+    rounded = nearlossless.round_to_factor(src, info, factor_log2)
+    return (src, factor_log2, False) if rounded is None else (rounded, factor_log2, True)
+
+
+def trim(x: torch.Tensor | np.ndarray, *, precision_bits: int | None = None,
+         precision_factor: int | float | None = None) -> torch.Tensor | np.ndarray:
+    """What ``decode(encode(x, precision_...=...))`` returns, without the compression: a
+    new CPU tensor (or array) of x's dtype and shape; ``x`` is never modified."""
+    src, info, shape = _as_bytes(x, "x")
+    if precision_bits is None and precision_factor is None:
+        raise CodecError("trim: give precision_bits or precision_factor")
+    out, _, _ = _round_by_factor(src, info, precision_bits, precision_factor)
+    if precision_bits is not None:
+        nearlossless.check_supported(info, precision_bits)
+        out = nearlossless.round_frame(src, info, precision_bits)
+    out = np.array(out, dtype=np.uint8, copy=True)
+    if isinstance(x, np.ndarray):
+        return out.view(x.dtype.newbyteorder("=")).reshape(shape)
+    if not out.size:
+        return torch.empty(shape, dtype=info.torch_dtype)
+    return torch.from_numpy(out).view(info.torch_dtype).reshape(shape)
 
 
 def _plan(info: dtypes.DtypeInfo, nbytes: int, cfg: CodecConfig, level: int | None,
@@ -259,6 +298,10 @@ def blob_info(blob: bytes | bytearray | memoryview) -> dict:
         "rotation_bits": plan.layout.rotation,
         "delta": header.is_delta,
         "precision_bits": header.precision_bits,
+        "precision_factor": (None if header.precision_factor_log2 is None
+                             else 2 ** header.precision_factor_log2),
+        "precision_factor_rounded": header.factor_rounded,
+        "trimmed": header.precision_bits is not None or header.factor_rounded,
         "stream_methods": {name: methods.count(name) for name in sorted(set(methods))},
     }
 

@@ -4,7 +4,8 @@ Layout (little-endian)::
 
     magic "RCFZ" | version u8 | flags u8 | dtype name (u8 length + ASCII)
     | ndim u8 | shape u64 * ndim | precision_bits u8 (255: lossless)
-    | width u8 (streams per frame) | [rotation u8, version >= 3] | frame_elems u64
+    | width u8 (streams per frame) | [rotation u8, version >= 3]
+    | [precision_factor_log2 u8, version >= 4] | frame_elems u64
     | nframes u32
     | per frame: raw_crc u32 | stored_crc u32 | [base_crc u32 if DELTA]
     |            per stream: method u8 | stored_len u32
@@ -16,6 +17,12 @@ dtype) was rotated left before its bytes were grouped (:mod:`ray_checkfreq.codec
 ``FLAG_PLANAR_E8`` names the planar exponent split (:mod:`ray_checkfreq.codec.planar`)
 instead. Version 2 blobs set ``FLAG_ROTATE`` with ``FLAG_GROUPED`` for their own layout
 (the float sign bit moved next to the mantissa).
+
+``precision_factor_log2``: the blob was encoded with ``precision_factor=2**that``
+(:mod:`ray_checkfreq.codec.nearlossless`); ``FLAG_FACTOR_ROUNDED`` says the rounding was
+applied (every finite value lay in [-1, 1]), its absence that the tensor is stored exactly.
+Only such blobs are written as version 4; all others are still written as version 3, so a
+reader from before version 4 reads every blob it can represent.
 
 ``stored_crc`` is the crc32 of the frame's stored streams (what :func:`verify` checks),
 ``base_crc`` of the frame's bytes of the delta base. ``raw_crc`` depends on the version:
@@ -37,13 +44,15 @@ from dataclasses import dataclass
 from ray_checkfreq.codec.errors import CorruptBlobError
 
 MAGIC = b"RCFZ"
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 3  # written for every blob without precision_factor
+VERSION_FACTOR = 4  # written for blobs encoded with precision_factor
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 FLAG_DELTA = 1  # stored bytes are x XOR base
 FLAG_ROTATE = 2  # versions 1-2: float sign bit moved next to the mantissa before grouping
 FLAG_GROUPED = 4  # element bytes split into `width` streams, one per byte position
 FLAG_PLANAR_E8 = 8  # version >= 3: planar exponent split into `width` streams (planar.py)
+FLAG_FACTOR_ROUNDED = 16  # version >= 4: values rounded to multiples of 2^-precision_factor_log2
 
 METHOD_RAW = 0
 METHOD_ZSTD = 1
@@ -73,7 +82,12 @@ class Header:
     frame_elems: int
     frames: tuple[FrameEntry, ...]
     rotation: int = 0
-    version: int = VERSION  # pack() always writes VERSION
+    precision_factor_log2: int | None = None
+    version: int = VERSION  # pack() writes VERSION, or VERSION_FACTOR with precision_factor_log2
+
+    @property
+    def factor_rounded(self) -> bool:
+        return bool(self.flags & FLAG_FACTOR_ROUNDED)
 
     @property
     def is_delta(self) -> bool:
@@ -82,10 +96,14 @@ class Header:
 
 def pack(h: Header) -> bytes:
     name = h.dtype.encode("ascii")
-    parts = [MAGIC, struct.pack("<BBB", VERSION, h.flags, len(name)), name,
+    factor = h.precision_factor_log2
+    precision = NO_PRECISION if h.precision_bits is None else h.precision_bits
+    parts = [MAGIC, struct.pack("<BBB", VERSION if factor is None else VERSION_FACTOR, h.flags,
+                                len(name)), name,
              struct.pack(f"<B{len(h.shape)}Q", len(h.shape), *h.shape),
-             struct.pack("<BBBQI", NO_PRECISION if h.precision_bits is None else h.precision_bits,
-                         h.width, h.rotation, h.frame_elems, len(h.frames))]
+             struct.pack("<BBB", precision, h.width, h.rotation),
+             b"" if factor is None else struct.pack("<B", factor),
+             struct.pack("<QI", h.frame_elems, len(h.frames))]
     for f in h.frames:
         parts.append(struct.pack("<II", f.raw_crc, f.stored_crc))
         if h.is_delta:
@@ -126,6 +144,9 @@ def unpack(blob) -> tuple[Header, int]:
     shape = r.take(f"<{ndim}Q")
     precision, width = r.take("<BB")
     rotation = r.take("<B")[0] if version >= 3 else 0
+    factor = r.take("<B")[0] if version >= 4 else NO_PRECISION
+    if (factor == NO_PRECISION) != (version < 4) or (flags & FLAG_FACTOR_ROUNDED and version < 4):
+        raise CorruptBlobError("codec blob header has an invalid precision_factor field")
     frame_elems, nframes = r.take("<QI")
     per_frame = 8 + (4 if flags & FLAG_DELTA else 0) + 5 * width
     if width == 0 or r.pos + nframes * per_frame + 4 > len(view):
@@ -147,7 +168,8 @@ def unpack(blob) -> tuple[Header, int]:
     header = Header(flags=flags, dtype=dtype, shape=tuple(shape),
                     precision_bits=None if precision == NO_PRECISION else precision,
                     width=width, frame_elems=frame_elems, frames=tuple(frames),
-                    rotation=rotation, version=version)
+                    rotation=rotation, version=version,
+                    precision_factor_log2=None if factor == NO_PRECISION else factor)
     payload = sum(f.stored_len for f in frames)
     if r.pos + payload != len(view):
         raise CorruptBlobError(f"codec blob holds {len(view) - r.pos} payload bytes, its "
