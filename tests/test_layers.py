@@ -1,0 +1,85 @@
+"""The layering rule of docs/architecture.md, checked on the source: a layer imports only
+layers below it (imports inside functions included), and the layers below the Ray layer
+never import Ray's training or core API."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ray_checkfreq"
+# Lowest first. Shared by all: errors (exceptions only). The package's __init__ and the
+# front ends at the top (chaos, bench, cli) may import anything below them.
+LAYERS = ["errors", "codec", "storage", "engine", "data", "ray", "chaos", "bench", "cli"]
+SIDEWAYS_OK = {("bench", "chaos"), ("cli", "chaos")}  # front ends beside each other
+RAY_FREE = ("codec", "storage", "engine")
+
+
+def layer_of(module: str) -> str | None:
+    """``ray_checkfreq.storage.store`` -> ``storage``; the package itself -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "ray_checkfreq" else None
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "ray_checkfreq":  # from ray_checkfreq import codec
+                found += [(node.lineno, f"ray_checkfreq.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, node.module))
+    return found
+
+
+def source_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def upward_imports(files: list[Path], root: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in files:
+        own = layer_of("ray_checkfreq." + ".".join(path.relative_to(root).with_suffix("").parts))
+        if own not in LAYERS:
+            continue  # the package's __init__: the public API, above every layer
+        for line, module in imports_of(path):
+            other = layer_of(module)
+            if other is None or other == own or other not in LAYERS or (own, other) in SIDEWAYS_OK:
+                continue
+            if LAYERS.index(other) > LAYERS.index(own):
+                bad.append(f"{path.relative_to(root.parent)}:{line}: {own} imports {module}")
+    return bad
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    for path in source_files():
+        rel = path.relative_to(PACKAGE)
+        if rel.parts == ("__init__.py",):
+            continue
+        name = rel.parts[0].removesuffix(".py")
+        assert name in LAYERS, f"{rel}: not in any layer of docs/architecture.md ({LAYERS})"
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    assert upward_imports(source_files()) == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
+    storage = tmp_path / "ray_checkfreq" / "storage"
+    storage.mkdir(parents=True)
+    module = storage / "sneaky.py"
+    module.write_text("def f():\n    from ray_checkfreq.ray.session import CheckFreq\n")
+    found = upward_imports([module], root=tmp_path / "ray_checkfreq")
+    assert found == ["ray_checkfreq/storage/sneaky.py:2: storage imports ray_checkfreq.ray.session"]
+
+
+@pytest.mark.parametrize("layer", RAY_FREE)
+def test_layers_below_data_never_import_ray(layer: str) -> None:
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for line, module in imports_of(path):
+            assert module != "ray" and not module.startswith("ray."), f"{path}:{line} imports {module}"
