@@ -81,7 +81,7 @@ def _one_tensor() -> Manifest:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda b: b.update(format_version=2), "format version 2 is not supported"),
+        (lambda b: b.update(format_version=3), "format version 3 is not supported"),
         (lambda b: b["shards"][0].update(name="../x"), "not a plain file name"),
         (lambda b: b["shards"][0].update(name="a/b"), "not a plain file name"),
         (lambda b: b["tensors"][0].update(shard="other.bin"), "unlisted shard"),

@@ -19,6 +19,10 @@ from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs
 
 FORMAT_NAME = "ray_checkfreq.checkpoint"
 FORMAT_VERSION = 1
+# Written only for a near-lossless history copy (``history_trim``): a reader that predates
+# trimming refuses it instead of restoring rounded weights as if they were the checkpoint.
+FORMAT_VERSION_TRIMMED = 2
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TRIMMED)
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32"
 # Shard names are plain file names: nothing a manifest says can leave its directory.
@@ -66,6 +70,9 @@ class Manifest:
     meta: dict = field(default_factory=dict)
     delta_base: str | None = None  # directory name of the full checkpoint deltas refer to
     writer_generation: int = 0  # of the store that wrote it; 0 = written before writer fencing
+    # A near-lossless history copy (storage/history.py): {"source": the directory it was
+    # made from, "precision_factor" or "precision_bits": the setting}; None: exact.
+    history_trim: dict | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -75,7 +82,7 @@ class Manifest:
 def encode_manifest(manifest: Manifest) -> bytes:
     body = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if manifest.history_trim is None else FORMAT_VERSION_TRIMMED,
         "step": manifest.step,
         "epoch_boundary": manifest.epoch_boundary,
         "created_unix_ns": manifest.created_unix_ns,
@@ -87,6 +94,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "tensors": [_tensor_json(t) for t in manifest.tensors],
         "state": manifest.state,
     }
+    if manifest.history_trim is not None:
+        body["history_trim"] = manifest.history_trim
     body["manifest_crc32"] = body_checksum(body)
     return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
 
@@ -131,9 +140,9 @@ def _check_format(body: dict) -> None:
     if body.get("format") != FORMAT_NAME:
         raise ManifestError(f"not a ray_checkfreq manifest (format={body.get('format')!r})")
     version = body.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise ManifestError(
-            f"format version {version!r} is not supported (this ray_checkfreq reads {FORMAT_VERSION})"
+            f"format version {version!r} is not supported (this ray_checkfreq reads {READABLE_FORMAT_VERSIONS})"
         )
     if body.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise ManifestError(f"unknown checksum algorithm {body.get('checksum_algorithm')!r}")
@@ -158,7 +167,22 @@ def _build_manifest(body: dict) -> Manifest:
         meta=meta,
         delta_base=delta_base,
         writer_generation=_nonneg_int(body, "writer_generation") if "writer_generation" in body else 0,
+        history_trim=_parse_history_trim(body),
     )
+
+
+def _parse_history_trim(body: dict) -> dict | None:
+    trimmed = body.get("format_version") == FORMAT_VERSION_TRIMMED
+    value = body.get("history_trim")
+    if not trimmed:
+        if value is not None:
+            raise ManifestError(f"history_trim in a format version {FORMAT_VERSION} manifest")
+        return None
+    if not isinstance(value, dict) or not CHECKPOINT_DIR.match(str(value.get("source"))):
+        raise ManifestError(f"history_trim {value!r}: expected an object naming its source checkpoint")
+    if (value.get("precision_factor") is None) == (value.get("precision_bits") is None):
+        raise ManifestError(f"history_trim {value!r}: expected precision_factor or precision_bits")
+    return value
 
 
 def _parse_delta_base(body: dict, tensors: tuple[TensorEntry, ...]) -> str | None:

@@ -59,6 +59,7 @@ from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
+from ray_checkfreq.storage.history import HistoryTrim, is_trimmed, trim_history
 from ray_checkfreq.storage.manifest import (
     CHECKPOINT_DIR,
     MANIFEST_NAME,
@@ -90,8 +91,13 @@ class StoreConfig:
     codec_level: int | None = None
     codec_threads: int | None = None
     full_every: int = 8
+    history_trim: HistoryTrim | None = None  # keep history checkpoints near-lossless (history.py)
 
     def __post_init__(self) -> None:
+        if self.history_trim is not None and not isinstance(self.history_trim, HistoryTrim):
+            raise TypeError(f"history_trim={self.history_trim!r}: expected a HistoryTrim or None")
+        if self.history_trim is not None and not self.keep_epoch_boundaries:
+            raise ValueError("history_trim needs keep_epoch_boundaries=True (it trims the epoch boundaries kept)")
         EncodeOptions(codec=self.codec, level=self.codec_level, threads=self.codec_threads)
         if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
             raise ValueError(f"full_every={self.full_every!r}: must be an int >= 1 (1 = no deltas)")
@@ -115,6 +121,7 @@ class CheckpointRef:
     created_unix_ns: int = 0
     size_bytes: int = 0
     writer_generation: int = 0  # 0: written before writer fencing
+    trimmed: bool = False  # a near-lossless history copy (history.py): never picked by latest()
 
 
 @dataclass
@@ -172,6 +179,7 @@ class CheckpointStore:
         codec_level: int | None = None,
         codec_threads: int | None = None,
         full_every: int = 8,
+        history_trim: HistoryTrim | None = None,
         filesystem: Any = None,
         s3: S3Options | None = None,
         writer_generation: int | None = None,
@@ -189,6 +197,7 @@ class CheckpointStore:
             codec_level=codec_level,
             codec_threads=codec_threads,
             full_every=full_every,
+            history_trim=history_trim,
         )
         self._init_args = (uri, filesystem, s3)
         self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3)
@@ -325,7 +334,8 @@ class CheckpointStore:
             self._base = None
 
     def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict,
-                          options: EncodeOptions, base: _DeltaBase | None) -> Manifest:
+                          options: EncodeOptions, base: _DeltaBase | None, *,
+                          history_trim: dict | None = None) -> Manifest:
         self.backend.make_dir(name)
         plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-write") as pool:
@@ -344,6 +354,7 @@ class CheckpointStore:
             meta=meta,
             delta_base=base.name if base is not None and any(t.delta for t in entries) else None,
             writer_generation=self._generation or 0,
+            history_trim=history_trim,
         )
         self._check_fence()
         self._commit(name, manifest)
@@ -415,6 +426,10 @@ class CheckpointStore:
             if entry.name not in keep and self._mine_to_remove(entry):
                 self._delete(entry.name)
         self._verified &= keep
+        if self.config.history_trim is not None:
+            untouchable = self._recent(entries) | {just_saved, newest_verified or just_saved}
+            untouchable |= {e.name for e in entries if e.step in protected}
+            trim_history(self, [e for e in entries if e.name in keep], untouchable)
 
     def _protected(self) -> set[int] | None:
         """The steps ``protected_steps`` names; None (delete nothing) when it fails."""
@@ -428,16 +443,26 @@ class CheckpointStore:
 
     def _retained(self, entries: builtins.list[_Entry]) -> set[str]:
         """The newest ``keep_last`` intact checkpoints, and older intact epoch boundaries."""
-        keep: set[str] = set()
-        kept_intact = 0
-        for entry in reversed(entries):
+        recent = self._recent(entries)
+        keep = set(recent)
+        for entry in entries:
             intact = entry.manifest is not None and entry.shards_present()
-            if kept_intact < self.config.keep_last:
-                kept_intact += intact
-                keep.add(entry.name)
-            elif intact and self.config.keep_epoch_boundaries and entry.manifest and entry.manifest.epoch_boundary:
+            if intact and self.config.keep_epoch_boundaries and entry.manifest and entry.manifest.epoch_boundary:
                 keep.add(entry.name)
         return keep
+
+    def _recent(self, entries: builtins.list[_Entry]) -> set[str]:
+        """The newest ``keep_last`` intact exact checkpoints and anything newer (trimmed
+        history copies do not count: they are history whatever their writer generation)."""
+        recent: set[str] = set()
+        kept_intact = 0
+        for entry in reversed(entries):
+            if kept_intact >= self.config.keep_last:
+                break
+            if not is_trimmed(entry):
+                kept_intact += entry.manifest is not None and entry.shards_present()
+                recent.add(entry.name)
+        return recent
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.
@@ -525,7 +550,8 @@ class CheckpointStore:
         return None
 
     def _newest_first(self) -> Iterator[CheckpointRef]:
-        return reversed(self.list())
+        """Exact checkpoints, newest first: what a resume may read (never a trimmed copy)."""
+        return reversed([ref for ref in self.list() if not ref.trimmed])
 
     def _ref(self, name: str, manifest: Manifest) -> CheckpointRef:
         return CheckpointRef(
@@ -537,6 +563,7 @@ class CheckpointStore:
             created_unix_ns=manifest.created_unix_ns,
             size_bytes=manifest.size_bytes,
             writer_generation=manifest.writer_generation,
+            trimmed=manifest.history_trim is not None,
         )
 
     def _find(self, ref_or_step: CheckpointRef | int) -> CheckpointRef:

@@ -1,0 +1,157 @@
+"""Near-lossless history: retained epoch-boundary checkpoints kept trimmed.
+
+A store with ``history_trim=HistoryTrim(...)`` rewrites a checkpoint once it becomes
+*history*: an intact epoch-boundary checkpoint that retention keeps only because it is an
+epoch boundary (older than the newest ``keep_last``). The copy holds the same state with
+every floating tensor rounded (:func:`ray_checkfreq.codec.trim`), stored as XOR deltas
+against the newest full trimmed copy where one is usable (a full copy every
+``full_every``). Invariants:
+
+1. Never touched: the newest ``keep_last`` checkpoints, the one just saved, the newest this
+   store verified, protected steps, a newer writer's checkpoints, and any checkpoint an
+   exact one still uses as its delta base (it is rewritten once nothing needs it).
+2. The copy is committed (its manifest says ``history_trim`` and names its source)
+   before the source is deleted; a crash in between leaves both, and the next retention
+   deletes the source whose copy is committed. So the step is never lost.
+3. ``latest()`` and ``load()`` without a step never return a trimmed copy: a resume reads
+   exact state only. ``load(step)`` / ``load(ref)`` return it when asked for.
+4. A failure here (a corrupt source, storage errors) is logged and leaves the source as
+   it is: the save that triggered retention has committed already.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ray_checkfreq import codec
+from ray_checkfreq.errors import CheckFreqError
+from ray_checkfreq.storage.encoding import EncodeOptions
+from ray_checkfreq.storage.tree import flatten_state, unflatten_state
+
+if TYPE_CHECKING:
+    from ray_checkfreq.storage.store import CheckpointStore, _Entry
+
+logger = logging.getLogger("ray_checkfreq.storage")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryTrim:
+    """How history checkpoints are kept: one of ``precision_factor`` (B, a power of two:
+    values of a tensor within [-1, 1] rounded to multiples of 1/B, error <= 1/(2B)) or
+    ``precision_bits`` (mantissa bits kept, relative error <= 2^-bits); see
+    :mod:`ray_checkfreq.codec.nearlossless`. ``full_every``: a full trimmed copy, then up
+    to ``full_every - 1`` copies stored as XOR deltas against it (1: no deltas)."""
+
+    precision_factor: int | float | None = None
+    precision_bits: int | None = None
+    full_every: int = 4
+
+    def __post_init__(self) -> None:
+        if (self.precision_factor is None) == (self.precision_bits is None):
+            raise ValueError(f"HistoryTrim(precision_factor={self.precision_factor!r}, precision_bits="
+                             f"{self.precision_bits!r}): give exactly one of the two")
+        try:
+            codec.trim(torch.zeros(1), precision_factor=self.precision_factor,
+                       precision_bits=self.precision_bits)
+        except codec.CodecError as err:
+            raise ValueError(f"HistoryTrim: {err}") from None
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"HistoryTrim(full_every={self.full_every!r}): must be an int >= 1")
+
+    def describe(self, source: str) -> dict:
+        """What a trimmed copy's manifest records (``Manifest.history_trim``)."""
+        if self.precision_factor is not None:
+            return {"source": source, "precision_factor": int(self.precision_factor)}
+        return {"source": source, "precision_bits": self.precision_bits}
+
+    def trim_leaf(self, leaf: Any) -> Any:
+        """``leaf`` rounded if it is floating and the codec rounds its dtype, else as it is."""
+        floating = leaf.is_floating_point() or leaf.is_complex() if isinstance(leaf, torch.Tensor) else (
+            isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fc")
+        if not floating:
+            return leaf
+        try:
+            return codec.trim(leaf, precision_factor=self.precision_factor, precision_bits=self.precision_bits)
+        except codec.CodecError:  # a dtype without rounding support (float8 with a factor, say)
+            return leaf
+
+
+def is_trimmed(entry: _Entry) -> bool:
+    return entry.manifest is not None and entry.manifest.history_trim is not None
+
+
+def trim_history(store: CheckpointStore, entries: list[_Entry], untouchable: set[str]) -> None:
+    """Rewrite each history checkpoint among ``entries`` (committed, kept, oldest first)
+    trimmed, then delete it; ``untouchable``: the names invariant 1 protects."""
+    trim = store.config.history_trim
+    assert trim is not None
+    copied = {(e.manifest.history_trim or {}).get("source") for e in entries if e.manifest is not None}
+    rewritten = False
+    for entry in _candidates(store, entries, untouchable):
+        if entry.name not in copied and rewritten:
+            continue  # one rewrite per retention: the work of an epoch's end is spread out
+        try:
+            if entry.name not in copied:
+                rewritten = True
+                _write_copy(store, trim, entry, [e for e in entries if is_trimmed(e)])
+            store._delete(entry.name)
+            store._verified.discard(entry.name)
+        except (CheckFreqError, OSError) as err:
+            logger.warning("%s: history checkpoint %s kept exact, trimming failed: %s",
+                           store.uri, entry.name, err)
+
+
+def _candidates(store: CheckpointStore, entries: list[_Entry], untouchable: set[str]) -> list[_Entry]:
+    in_use = {e.manifest.delta_base for e in entries
+              if e.manifest is not None and not is_trimmed(e) and e.manifest.delta_base}
+    if store._base is not None:
+        in_use.add(store._base.name)  # the next exact save may be a delta against it
+    return [e for e in entries
+            if e.manifest is not None and e.manifest.epoch_boundary and not is_trimmed(e)
+            and e.shards_present() and e.name not in untouchable and e.name not in in_use
+            and store._mine_to_remove(e)]
+
+
+def _write_copy(store: CheckpointStore, trim: HistoryTrim, entry: _Entry, trimmed: list[_Entry]) -> None:
+    from ray_checkfreq.storage.store import _DeltaBase
+
+    assert entry.manifest is not None
+    source = store._ref(entry.name, entry.manifest)
+    manifest, leaves = store._read_leaves(source, build=True)
+    state = unflatten_state(manifest.state, [trim.trim_leaf(leaf) for leaf in leaves])
+    base = _delta_base(store, trim, trimmed)
+    options = EncodeOptions(codec="rcfz", level=store.config.codec_level, threads=store.config.codec_threads)
+    name = f"step-{entry.step:012d}-g{store._generation:06d}-{uuid.uuid4().hex[:8]}"
+    try:
+        store._write_checkpoint(name, entry.step, flatten_state(state), True, dict(manifest.meta), options,
+                                _DeltaBase(name=base[0], leaves=base[1]) if base else None,
+                                history_trim=trim.describe(entry.name))
+    except BaseException:
+        store._discard(name)
+        raise
+    logger.info("%s: history checkpoint %s rewritten trimmed as %s", store.uri, entry.name, name)
+
+
+def _delta_base(store: CheckpointStore, trim: HistoryTrim,
+                trimmed: list[_Entry]) -> tuple[str, dict[str, Any]] | None:
+    """(name, leaves by key) of the newest full trimmed copy with room for another delta."""
+    fulls = [e for e in trimmed if e.manifest is not None and e.manifest.delta_base is None]
+    if not fulls or trim.full_every == 1:
+        return None
+    newest = fulls[-1]
+    deltas = sum(1 for e in trimmed if e.manifest is not None and e.manifest.delta_base == newest.name)
+    if deltas >= trim.full_every - 1:
+        return None
+    assert newest.manifest is not None
+    try:
+        manifest, leaves = store._read_leaves(store._ref(newest.name, newest.manifest), build=True)
+    except CheckFreqError as err:
+        logger.warning("%s: trimmed copy %s unusable as a delta base: %s", store.uri, newest.name, err)
+        return None
+    return newest.name, {t.key: leaf for t, leaf in zip(manifest.tensors, leaves)}
