@@ -45,7 +45,17 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     export.add_argument("uri")
     export.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
     export.add_argument("--to", required=True, dest="target", help="FILE.safetensors or FILE.pt")
+    trim = export.add_mutually_exclusive_group()
+    trim.add_argument("--precision-factor", type=_power_of_two, default=None, metavar="B",
+                      help="near-lossless: round tensors whose values lie in [-1, 1] to multiples of 1/B "
+                           "(B a power of two: 524288, 2**19 or 2^19; error <= 1/(2B))")
+    trim.add_argument("--precision-bits", type=int, default=None, metavar="BITS",
+                      help="near-lossless: keep BITS mantissa bits of every float (relative error <= 2^-BITS)")
     export.set_defaults(func=cmd_export)
+
+    from ray_checkfreq.chaos.cli import add_parser as add_chaos_parser
+
+    add_chaos_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
@@ -132,9 +142,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ray_checkfreq.storage.export import export_checkpoint
 
     store = _existing_store(args.uri)
-    written = export_checkpoint(store, args.step, args.target)
+    written = export_checkpoint(store, args.step, args.target, precision_factor=args.precision_factor,
+                                precision_bits=args.precision_bits)
     print(f"wrote {written}")
     return 0
+
+
+def _power_of_two(text: str) -> int | float:
+    """``2**19``, ``2^19`` or a number (the codec checks it is a power of two)."""
+    for sep in ("**", "^"):
+        base, found, exponent = text.partition(sep)
+        if found and base.strip() == "2" and exponent.strip().isdigit():
+            return 2 ** int(exponent)
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def _human(nbytes: int) -> str:

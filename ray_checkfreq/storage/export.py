@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from ray_checkfreq import codec
 from ray_checkfreq.storage.arrays import leaf_bytes
+from ray_checkfreq.storage.history import trim_state
 from ray_checkfreq.storage.tree import flatten_state
 
 _SAFETENSORS_DTYPES = {
@@ -28,15 +30,28 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def export_checkpoint(store: Any, step: int | None, target: str) -> str:
-    """Write checkpoint ``step`` (None: newest valid) of ``store`` to ``target``."""
-    state = store.load(step)
-    if target.endswith(".safetensors"):
-        write_safetensors(state, target, metadata={"step": str(step) if step is not None else "latest"})
-    elif target.endswith(".pt"):
-        torch.save(state, target)
-    else:
+def export_checkpoint(store: Any, step: int | None, target: str, *, precision_factor: int | float | None = None,
+                      precision_bits: int | None = None) -> str:
+    """Write checkpoint ``step`` (None: newest valid) of ``store`` to ``target``.
+
+    ``precision_factor`` / ``precision_bits`` (one or the other): floating tensors are
+    trimmed near-lossless first (:mod:`ray_checkfreq.codec.nearlossless`), so the file
+    compresses better; a .safetensors file records the setting in its metadata.
+    """
+    if not (target.endswith(".safetensors") or target.endswith(".pt")):
         raise ValueError(f"--to {target!r}: the file name must end in .safetensors or .pt")
+    trim = {"precision_factor": precision_factor, "precision_bits": precision_bits}
+    given = {k: v for k, v in trim.items() if v is not None}
+    if given:  # a bad setting is refused before anything is read
+        codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
+    setting = {f"ray_checkfreq.{k}": str(int(v)) for k, v in given.items()}
+    state = store.load(step)
+    if setting:
+        state, _ = trim_state(state, precision_factor=precision_factor, precision_bits=precision_bits)
+    if target.endswith(".safetensors"):
+        write_safetensors(state, target, metadata={"step": str(step) if step is not None else "latest", **setting})
+    else:
+        torch.save(state, target)
     return target
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ import torch
 
 from ray_checkfreq import codec
 from ray_checkfreq.errors import CheckFreqError
+from ray_checkfreq.storage.arrays import leaf_bytes
 from ray_checkfreq.storage.encoding import EncodeOptions
 from ray_checkfreq.storage.tree import flatten_state, unflatten_state
 
@@ -71,15 +73,31 @@ class HistoryTrim:
         return {"source": source, "precision_bits": self.precision_bits}
 
     def trim_leaf(self, leaf: Any) -> Any:
-        """``leaf`` rounded if it is floating and the codec rounds its dtype, else as it is."""
-        floating = leaf.is_floating_point() or leaf.is_complex() if isinstance(leaf, torch.Tensor) else (
-            isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fc")
-        if not floating:
-            return leaf
-        try:
-            return codec.trim(leaf, precision_factor=self.precision_factor, precision_bits=self.precision_bits)
-        except codec.CodecError:  # a dtype without rounding support (float8 with a factor, say)
-            return leaf
+        return trim_leaf(leaf, precision_factor=self.precision_factor, precision_bits=self.precision_bits)
+
+
+def trim_leaf(leaf: Any, *, precision_factor: int | float | None = None,
+              precision_bits: int | None = None) -> Any:
+    """``leaf`` rounded if it is floating and the codec rounds its dtype, else as it is."""
+    floating = leaf.is_floating_point() or leaf.is_complex() if isinstance(leaf, torch.Tensor) else (
+        isinstance(leaf, np.ndarray) and leaf.dtype.kind in "fc")
+    if not floating:
+        return leaf
+    try:
+        return codec.trim(leaf, precision_factor=precision_factor, precision_bits=precision_bits)
+    except codec.CodecError:  # a dtype without rounding support (float8 with a factor, say)
+        return leaf
+
+
+def trim_state(state: Mapping[str, Any], *, precision_factor: int | float | None = None,
+               precision_bits: int | None = None) -> tuple[dict, int]:
+    """(a copy of ``state`` with its floating tensors trimmed, how many of them changed)."""
+    codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)  # validates
+    flat = flatten_state(state)
+    leaves = [trim_leaf(leaf, precision_factor=precision_factor, precision_bits=precision_bits)
+              for leaf in flat.leaves]
+    changed = sum(new is not old and leaf_bytes(new) != leaf_bytes(old) for new, old in zip(leaves, flat.leaves))
+    return unflatten_state(flat.skeleton, leaves), changed
 
 
 def is_trimmed(entry: _Entry) -> bool:
