@@ -1,0 +1,258 @@
+"""The chaos injector's pure parts: schedules, the report over a synthetic event log, CLI flags, hold points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_checkfreq.chaos import holds, report, schedule
+from ray_checkfreq.chaos.runner import ChaosConfig, plan
+
+KIND_LISTS = st.lists(st.sampled_from(sorted(schedule.KINDS)), min_size=1, max_size=7).map(tuple)
+
+
+# ---------------------------------------------------------------------- schedules
+@settings(max_examples=200, deadline=None)
+@given(count=st.integers(0, 12), first=st.integers(1, 50), span=st.integers(0, 400), gap=st.integers(1, 30),
+       seed=st.integers(0, 2**32), kinds=KIND_LISTS)
+def test_seeded_random_iterations_are_in_the_window_apart_and_reproducible(count, first, span, gap, seed, kinds):
+    last = first + span
+    if count > 1 and (count - 1) * gap > span:
+        with pytest.raises(ValueError, match="do not fit"):
+            schedule.seeded_random(count, kinds, first=first, last=last, min_gap=gap, seed=seed)
+        return
+    drawn = schedule.seeded_random(count, kinds, first=first, last=last, min_gap=gap, seed=seed)
+    at = [p.at_iteration for p in drawn]
+    assert len(at) == count and all(first <= i <= last for i in at)
+    assert all(b - a >= gap for a, b in zip(at, at[1:]))
+    assert [p.kind for p in drawn] == [kinds[n % len(kinds)] for n in range(count)]
+    assert drawn == schedule.seeded_random(count, kinds, first=first, last=last, min_gap=gap, seed=seed)
+
+
+def test_a_different_seed_gives_a_different_random_schedule():
+    draws = {tuple(p.at_iteration for p in schedule.seeded_random(4, ("node",), first=5, last=500, min_gap=5,
+                                                                   seed=seed)) for seed in range(20)}
+    assert len(draws) > 15
+
+
+@settings(max_examples=100, deadline=None)
+@given(count=st.integers(0, 30), mtbp=st.floats(0.1, 1e4), seed=st.integers(0, 2**32), kinds=KIND_LISTS)
+def test_poisson_gaps_are_positive_and_reproducible(count, mtbp, seed, kinds):
+    drawn = schedule.poisson(count, kinds, mtbp_s=mtbp, seed=seed)
+    assert len(drawn) == count and all(p.after_s > 0 and p.at_iteration is None for p in drawn)
+    assert drawn == schedule.poisson(count, kinds, mtbp_s=mtbp, seed=seed)
+
+
+def test_poisson_gaps_have_the_mean_asked_for():
+    gaps = [p.after_s for p in schedule.poisson(4000, ("worker",), mtbp_s=30.0, seed=7)]
+    assert sum(gaps) / len(gaps) == pytest.approx(30.0, rel=0.06)
+    # exponential: about 1/e of the gaps exceed the mean
+    assert sum(g > 30.0 for g in gaps) / len(gaps) == pytest.approx(0.368, abs=0.03)
+
+
+@settings(max_examples=100, deadline=None)
+@given(iterations=st.lists(st.integers(1, 10_000), min_size=0, max_size=10, unique=True), kinds=KIND_LISTS)
+def test_given_iterations_fire_in_order(iterations, kinds):
+    drawn = schedule.at_iterations(iterations, kinds)
+    assert [p.at_iteration for p in drawn] == sorted(iterations)
+    assert [p.index for p in drawn] == list(range(len(iterations)))
+
+
+def test_bad_schedules_name_the_value():
+    with pytest.raises(ValueError, match="mtbp_s=0"):
+        schedule.poisson(2, ("node",), mtbp_s=0, seed=1)
+    with pytest.raises(ValueError, match=r"iterations \[3, 3\]"):
+        schedule.at_iterations([3, 3], ("node",))
+    with pytest.raises(ValueError, match="'meteor'"):
+        schedule.Preemption(index=0, kind="meteor", at_iteration=3)
+    with pytest.raises(ValueError, match="exactly one"):
+        schedule.Preemption(index=0, kind="node", at_iteration=3, after_s=1.0)
+
+
+def test_the_default_plan_spreads_the_kinds_over_the_run():
+    drawn = plan(ChaosConfig(preemptions=4, kinds=("persist", "commit", "node", "notice"), iterations=56, every=4))
+    assert [p.kind for p in drawn] == ["persist", "commit", "node", "notice"]
+    at = [p.at_iteration for p in drawn]
+    assert at[0] > 4 and at[-1] < 56 and all(b - a >= 8 for a, b in zip(at, at[1:]))
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="'meteor'"):
+        ChaosConfig(kinds=("node", "meteor"))
+    with pytest.raises(ValueError, match="schedule='daily'"):
+        ChaosConfig(schedule="daily")
+    with pytest.raises(ValueError, match="more workers than the 2 training nodes"):
+        ChaosConfig(workers=3, nodes=2)
+    with pytest.raises(ValueError, match=r"workers=\(2, 1\)"):
+        ChaosConfig(workers=(2, 1))
+    with pytest.raises(ValueError, match="at="):
+        ChaosConfig(at=(0, 5))
+
+
+# ---------------------------------------------------------------------- report
+SAMPLES, BATCH, EPOCH_LEN = 8, 4, 2  # 2 iterations per epoch, 2 ranks of 2 samples each
+
+
+def _batches(attempt: int, iterations: range, t0: float) -> list[dict]:
+    out = []
+    for n, i in enumerate(iterations):
+        epoch, within = divmod(i - 1, EPOCH_LEN)
+        ids = _perm(epoch)[within * BATCH:(within + 1) * BATCH]
+        for rank in (0, 1):
+            out.append({"t": t0 + n + rank * 0.01, "event": "batch", "rank": rank, "attempt": attempt,
+                        "iteration": i, "epoch": epoch, "ids": ids[rank * 2:(rank + 1) * 2]})
+    return out
+
+
+def _perm(epoch: int) -> list[int]:
+    return [(5 * j + 3 * epoch) % SAMPLES for j in range(SAMPLES)]
+
+
+def _start(attempt: int, iteration: int, t: float, kind: str = "slot") -> list[dict]:
+    return [{"t": t, "event": "start", "rank": r, "attempt": attempt, "iteration": iteration, "world_size": 2,
+             "node": f"n{r}", "pid": 100 + r, "run": "run", "k": 2, "samples": SAMPLES, "global_batch": BATCH,
+             "epoch_len": EPOCH_LEN, "restore": {"kind": "none" if iteration == 0 else kind}} for r in (0, 1)]
+
+
+def _log() -> list[dict]:
+    """8 iterations (4 epochs); attempt 1 reaches 5, a node dies, attempt 2 resumes at 4 and finishes."""
+    events = [{"t": 0.0, "event": "run_start"}, *_start(1, 0, 1.0), *_batches(1, range(1, 6), 2.0)]
+    events.append({"t": 7.5, "event": "inject", "index": 0, "kind": "node", "t_kill": 7.6, "iteration": 5})
+    events += [{"t": 3.5, "event": "commit", "step": 2}, {"t": 5.5, "event": "commit", "step": 4}]
+    events += [*_start(2, 4, 20.0), *_batches(2, range(5, 9), 21.6)]
+    events += [{"t": 30.0, "event": "end", "rank": r, "attempt": 2, "iteration": 8} for r in (0, 1)]
+    return events
+
+
+def test_report_counts_lost_work_restart_time_and_no_lost_or_repeated_samples():
+    totals = report.build_report(_log(), identical=True)
+    assert totals["preemptions"] == 1 and totals["preemptions_survived"] == 1 and totals["finished"]
+    assert totals["lost_iterations_max"] == 1 and totals["lost_iterations_bound"] == 4 and totals["k_max"] == 2
+    assert totals["restart_to_first_step_s_mean"] == pytest.approx(21.6 - 7.6)
+    assert totals["samples_lost"] == 0 and totals["samples_repeated"] == 0
+    assert totals["commits"] == 2 and totals["time_to_finish_s"] == pytest.approx(30.0)
+    outcome = totals["detail"]["preemptions"][0]
+    assert outcome["restored_step"] == 4 and outcome["restored_from"] == "slot"
+
+
+def test_report_sees_a_repeated_sample():
+    events = _log()
+    dup = next(e for e in events if e["event"] == "batch" and e["attempt"] == 2 and e["iteration"] == 6)
+    dup["ids"] = [dup["ids"][0], dup["ids"][0]]  # one sample twice, another never
+    totals = report.build_report(events)
+    assert totals["samples_repeated"] == 1 and totals["samples_lost"] == 1
+
+
+def test_report_sees_a_restart_that_replayed_rolled_back_batches_as_repeats():
+    # the second attempt claims to resume at 5 but trains iteration 5 again (a restore that did nothing)
+    events = [e for e in _log() if not (e["event"] == "start" and e["attempt"] == 2)] + _start(2, 5, 20.0)
+    totals = report.build_report(events)
+    assert totals["samples_repeated"] == 4 and totals["lost_iterations_max"] == 0
+
+
+def test_report_sees_lost_samples_when_a_restart_skips_ahead():
+    events = [e for e in _log() if not (e["event"] == "batch" and e["attempt"] == 2 and e["iteration"] == 5)]
+    totals = report.build_report(events)
+    assert totals["samples_lost"] == 4 and totals["samples_repeated"] == 0
+
+
+def test_lost_work_beyond_2k_is_flagged():
+    events = [e for e in _log() if not (e["event"] == "start" and e["attempt"] == 2)
+              and not (e["event"] == "batch" and e["attempt"] == 2)]
+    events += [*_start(2, 0, 20.0, kind="storage"), *_batches(2, range(1, 9), 21.0)]
+    totals = report.build_report(events)
+    assert totals["lost_iterations_max"] == 5 and not totals["lost_within_bound"]
+    assert totals["samples_lost"] == 0 and totals["samples_repeated"] == 0
+
+
+def test_a_preemption_without_restart_loses_nothing():
+    events = _log() + [{"t": 3.2, "event": "inject", "index": 1, "kind": "agent", "t_kill": 3.2, "iteration": 2}]
+    outcomes = report.build_report(events)["detail"]["preemptions"]
+    assert [(o["kind"], o["restarted"], o["lost_iterations"]) for o in outcomes] == [("agent", False, 0),
+                                                                                    ("node", True, 1)]
+
+
+def test_timeline_png_is_written(tmp_path):
+    events = _log()
+    out = tmp_path / "t.png"
+    report.plot_timeline(events, report.build_report(events, identical=True), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- hold points
+def test_exactly_one_process_claims_an_armed_hold_and_says_where(tmp_path):
+    control = str(tmp_path)
+    holds.hold_here(control, "commit")  # not armed: returns at once
+    holds.arm(control, "commit", hold_s=0.5)
+    threads = [threading.Thread(target=holds.hold_here, args=(control, "commit"), kwargs={"step": 8})
+               for _ in range(4)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    marker = holds.inside(control, "commit")
+    assert marker["pid"] == os.getpid() and marker["step"] == 8
+    assert 0.4 < time.monotonic() - started < 3
+    assert not os.path.exists(os.path.join(control, "arm-commit"))
+    assert len([f for f in os.listdir(control) if f.startswith("claimed-commit")]) == 1
+
+
+def test_a_store_on_the_holding_filesystem_stops_inside_the_commit_and_a_kill_there_leaves_no_checkpoint(tmp_path):
+    control, root = str(tmp_path / "control"), str(tmp_path / "store")
+    holds.arm(control, "commit", hold_s=60)
+    script = ("import numpy as np\nfrom ray_checkfreq import CheckpointStore\n"
+              "from ray_checkfreq.chaos.holds import holding_filesystem\n"
+              f"s = CheckpointStore({root!r}, filesystem=holding_filesystem({control!r}))\n"
+              "s.save(1, {'w': np.ones(10)})\n")
+    child = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while holds.inside(control, "commit") is None:
+        assert child.poll() is None and time.monotonic() < deadline, "never reached the commit"
+        time.sleep(0.02)
+    marker = holds.inside(control, "commit")
+    assert marker["pid"] == child.pid and marker["path"].endswith("/manifest.json")
+    assert os.path.exists(marker["path"] + ".tmp")  # written, not yet renamed
+    child.kill()
+    child.wait()
+    from ray_checkfreq import CheckpointStore
+
+    store = CheckpointStore(root)
+    assert store.latest() is None
+    assert [fault for ref, _, fault in store.scan()] == [None]  # an interrupted save, not a checkpoint
+
+
+# ---------------------------------------------------------------------- CLI
+def test_help_documents_every_kind_and_schedule(capsys):
+    from ray_checkfreq import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["chaos", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for name in (*schedule.KINDS, *schedule.SCHEDULES):
+        assert f"  {name} " in text, name
+    for flag in ("--preemptions", "--seed", "--kinds", "--schedule", "--mtbp-s", "--json", "--png", "--compare"):
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--kinds", "node,meteor"], "'meteor'"),
+    (["--preemptions", "-1"], "--preemptions=-1"),
+    (["--schedule", "poisson", "--mtbp-s", "0"], "--mtbp-s=0"),
+    (["--workers", "5", "--nodes", "3"], "more workers than the 3 training nodes"),
+    (["--min-workers", "3", "--workers", "2"], "workers=(3, 2)"),
+    (["--at", "4,x"], "--at '4,x'"),
+])
+def test_bad_flags_name_the_value(args, named, capsys):
+    from ray_checkfreq import cli
+
+    assert cli.main(["chaos", *args]) == 1  # refused before any cluster starts
+    assert named in capsys.readouterr().err
