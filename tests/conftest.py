@@ -26,6 +26,9 @@ TRAIN_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 
+LOOPBACK_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1"}
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -39,6 +42,9 @@ def ray_cluster():
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     os.environ.update(TRAIN_ENV)
+    # Raylets start with these, so workers and node agents can reach the loopback S3 server.
+    for key, value in LOOPBACK_S3_CREDENTIALS.items():
+        os.environ.setdefault(key, value)
     # Raylets (and so every worker) inherit this: workers import the tests' training jobs.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -107,7 +113,7 @@ def s3_bucket(s3_server):
 
 # The Ray Train modules remove worker nodes of the session cluster: they run first, so the
 # other tests always see the same cluster whatever they removed.
-_RUN_FIRST = ("test_ray_train.py", "test_ray_registration.py")
+_RUN_FIRST = ("test_ray_policy.py", "test_ray_train.py", "test_ray_registration.py")
 
 
 def pytest_collection_modifyitems(config, items):

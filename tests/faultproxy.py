@@ -4,7 +4,8 @@
 matches ``(method, path_with_query)`` and still has ``times`` left decides the request.
 Actions: "500" (an S3 InternalError reply), "503" (SlowDown), "drop" (read the request,
 close the connection without a reply), "lose_reply" (forward the request, so the server
-acts on it, then close the connection without a reply). Every request is logged in
+acts on it, then close the connection without a reply), "delay" (wait ``delay_s`` seconds, then forward: a
+slow or shared store). Every request is logged in
 ``requests``, with its headers in ``headers``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -25,6 +27,7 @@ _ERROR_XML = (
 class FaultProxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
+        self.delay_s = 0.0
         self.rules: list[list] = []
         self.requests: list[tuple[str, str]] = []
         self.headers: list[tuple[str, str, dict]] = []
@@ -41,6 +44,9 @@ class FaultProxy:
             def _handle(self) -> None:
                 body = self._read_body()
                 action = proxy._decide(self.command, self.path, dict(self.headers.items()))
+                if action == "delay":
+                    time.sleep(proxy.delay_s)
+                    action = "pass"
                 if action == "lose_reply":
                     self._forward(body, reply=False)
                 if action in ("drop", "lose_reply"):

@@ -77,9 +77,10 @@ def train(config: dict) -> None:
     epoch_len = iterations_per_epoch(len(images), config.get("global_batch", DIGITS_BATCH))
     _install_slow_seal(config, work_dir)
     _debug_log_decisions(work_dir, rank)
-    cf = CheckFreq(model=model, optimizer=optimizer, data=data, every=config.get("every", 4), epoch_len=epoch_len,
-                   compress=False, ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0),
-                                                        registration=RegistrationConfig(every=config.get("register_every"))))
+    cf = CheckFreq(model=model, optimizer=optimizer, data=data, storage=_storage(config),
+                   ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0),
+                                        registration=RegistrationConfig(every=config.get("register_every"))),
+                   **_engine_options(config, epoch_len))
     start = cf.restore()
     _release_held_persists(work_dir, rank, cf)
     log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id,
@@ -107,6 +108,28 @@ def train(config: dict) -> None:
         torch.save({"iteration": cf.iteration, "model": cf.engine.model.state_dict()},
                    os.path.join(work_dir, "final.pt"))
     log(work_dir, rank, event="end", iteration=cf.iteration, stats=_plain(cf.stats()))
+
+
+def _engine_options(config: dict, epoch_len: int) -> dict:
+    """Fixed k (``every``, default 4), or the policy (``policy``: CheckFreqConfig fields,
+    ``adaptive`` holding AdaptiveConfig fields)."""
+    if "policy" not in config:
+        return {"every": config.get("every", 4), "epoch_len": epoch_len, "compress": False}
+    from ray_checkfreq.engine import AdaptiveConfig, CheckFreqConfig
+
+    fields = dict(config["policy"])
+    fields["adaptive_config"] = AdaptiveConfig(**fields.pop("adaptive", {}))
+    return {"config": CheckFreqConfig(compress=False, **fields)}
+
+
+def _storage(config: dict) -> Any:
+    """The run's storage by default; an S3 bucket behind a proxy with ``s3``: {bucket, endpoint}."""
+    if "s3" not in config:
+        return None
+    from ray_checkfreq.storage import CheckpointStore, S3Options
+
+    s3 = config["s3"]
+    return CheckpointStore(f"s3://{s3['bucket']}/run", s3=S3Options(endpoint_url=s3["endpoint"]))
 
 
 def _epoch_of(data: Any, iteration: int, epoch_len: int) -> int:

@@ -102,12 +102,14 @@ def assert_nothing_left(run_name: str) -> None:
     import ray
 
     from ray_checkfreq.ray.agent import NAMESPACE, agent_prefix, run_key
+    from ray_checkfreq.ray.policy_actor import policy_name
 
     run = run_key(run_name)
     deadline = time.monotonic() + 20
     while True:
         agents = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE and a["name"].startswith(agent_prefix(run))]
+                  if a["namespace"] == NAMESPACE and (a["name"].startswith(agent_prefix(run))
+                                                      or a["name"] == policy_name(run))]
         files = glob.glob(f"/dev/shm/rcf-{run}-*")
         if not agents and not files:
             return

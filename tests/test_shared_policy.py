@@ -72,7 +72,7 @@ def test_k_falls_again_once_persists_are_quick_but_never_below_their_need():
     shared = policy()
     shared.record_persist(generation=1, report=PersistReport(step=4, seconds=2.0))
     assert shared.k == 25
-    for step in range(3):  # the slow one leaves the memory of the last three persists
+    for step in range(2):  # the slow one leaves the memory of the last two persists
         shared.record_persist(generation=1, report=PersistReport(step=8 + step, seconds=0.05))
     assert shared.persist_need() == 1
     first = 1

@@ -138,6 +138,7 @@ class CheckFreq:
         self._policy = (PolicyLink(self.run, rank=self.rank, lease_s=self.ray_config.agent_lease_s)
                         if self.ray_config.shared_policy and _adapts(engine_options) else None)
         self._policy_version = -1
+        self.policy_decisions: list[dict] = []  # rank 0: each new decision of the policy actor
         seams = EngineSeams(
             decisions=self._decisions,
             persister=self._persister,
@@ -399,6 +400,7 @@ class CheckFreq:
                 or decision["version"] == self._policy_version):
             return
         self._policy_version = decision["version"]
+        self.policy_decisions.append(decision)
         if decision["k"] != engine.planned_k:
             logger.info("policy actor: k -> %d (overhead %s, persists %s s)", decision["k"], decision["overhead"],
                         decision["persist_s"])
@@ -462,6 +464,7 @@ class CheckFreq:
     def stats(self) -> dict:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
                 "snapshots": self.snapshots, "restore": self.restore_info, "notices": list(self.notices),
+                "policy_decisions": list(self.policy_decisions),
                 "metrics": self.metrics.values() if self.metrics is not None else None,
                 "registration": self._registrar.stats() if self._registrar is not None else None}
 

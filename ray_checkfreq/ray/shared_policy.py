@@ -12,7 +12,7 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
 - a persist slower than the interval raises k at once to the persist's need
   (``persist_margin`` x persist seconds / Ti): otherwise the next checkpoint would wait for
   it, which is how another writer on the same store (or a slower network) shows first.
-  The need is the slowest of the last ``persist_memory`` persists, so it falls again once
+  The need is the slowest of the last ``persist_memory`` (2) persists, so it falls again once
   persists are quick, and the adaptive rate then brings k down step by step.
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
@@ -58,7 +58,7 @@ class PersistReport:
 class SharedPolicyConfig:
     overhead: float = 0.035
     persist_margin: float = 1.25
-    persist_memory: int = 3
+    persist_memory: int = 2
     adaptive: AdaptiveConfig = AdaptiveConfig()
 
     def __post_init__(self) -> None:

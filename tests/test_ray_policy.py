@@ -1,0 +1,105 @@
+"""The run's PolicyActor on a real Ray Train run: store writes slowed mid-run (a delaying
+proxy in front of the loopback S3 server) raise k for every rank at the same iteration,
+and k falls again after the delay ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+pytestmark = pytest.mark.chaos
+
+ITERATIONS = 320
+SLEEP_S = 0.05  # per iteration: Ti ~60 ms, so that load on the machine moves k little
+DELAY_S = 0.5  # per PUT while the delay is on: a persist takes seconds instead of ~0.1 s
+# A generous p: only the store's slowness, not the machine's load, may push k up.
+POLICY = {"overhead": 0.5, "profile_iters": 10,
+          "adaptive": {"window_iters": 20, "min_checkpoints_per_window": 1, "patience": 1}}
+
+
+@pytest.fixture(scope="module")
+def two_train_nodes(ray_cluster):
+    from test_ray_train import require_train_nodes
+
+    require_train_nodes(ray_cluster, 2)
+    yield ray_cluster
+
+
+class DelaySwitch(threading.Thread):
+    """Follows rank 0's log: turns the proxy's delay on 20 iterations after the policy
+    decided k, and off once k has risen and a persist at the new k had time to finish."""
+
+    def __init__(self, proxy, work_dir: str) -> None:
+        super().__init__(daemon=True)
+        self.proxy = proxy
+        self.path = os.path.join(work_dir, "log-0.jsonl")
+        self.on_at: int | None = None
+        self.off_at: int | None = None
+        self.k_before: int | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        iteration, k, k_since, offset = 0, None, None, 0
+        while not self.done.is_set():
+            time.sleep(0.02)
+            iteration, k, offset = self._follow(iteration, k, offset)
+            if k is None:
+                continue
+            k_since = k_since or iteration
+            if self.on_at is None and iteration >= k_since + 20:
+                self.on_at, self.k_before, self.proxy.delay_s = iteration, k, DELAY_S
+            elif self.on_at is not None and self.off_at is None and k > (self.k_before or k) \
+                    and iteration >= self.on_at + k:
+                self.off_at, self.proxy.delay_s = iteration, 0.0
+                return
+
+    def _follow(self, iteration: int, k: int | None, offset: int) -> tuple[int, int | None, int]:
+        if not os.path.exists(self.path):
+            return iteration, k, offset
+        with open(self.path) as log:
+            log.seek(offset)
+            for line in log:
+                if not line.endswith("\n"):
+                    break
+                offset += len(line)
+                entry = json.loads(line)
+                if entry["event"] == "batch":
+                    iteration = entry["iteration"]
+                elif entry["event"] == "decision":
+                    found = re.search(r"k=(\d+)", entry["got"])
+                    k = int(found.group(1)) if found else k
+        return iteration, k, offset
+
+
+def test_slow_store_writes_raise_k_for_every_rank_at_once_and_k_falls_after(two_train_nodes, s3_server,
+                                                                              s3_bucket, tmp_path):
+    from faultproxy import FaultProxy
+    from test_ray_train import events, fit
+
+    with FaultProxy(urlparse(s3_server).port) as proxy:
+        proxy.add_rule(lambda method, path: method == "PUT" and proxy.delay_s > 0, "delay", times=10**9)
+        work_dir = str(tmp_path / "interference")
+        switch = DelaySwitch(proxy, work_dir)
+        switch.start()
+        try:
+            result, work_dir = fit(tmp_path, "interference", iterations=ITERATIONS, policy=POLICY, sleep_s=SLEEP_S,
+                                   s3={"bucket": s3_bucket, "endpoint": proxy.url}, max_failures=0)
+        finally:
+            switch.done.set()
+            proxy.delay_s = 0.0
+    assert not isinstance(result, Exception), result
+    assert switch.on_at is not None and switch.off_at is not None, (switch.on_at, switch.off_at)
+    histories = [events(work_dir, rank, "end")[-1]["stats"]["k_changes"] for rank in (0, 1)]
+    assert histories[0] == histories[1], "every rank switched k at the same iterations"
+    changes = [tuple(change) for change in histories[0]]
+    during = [k for iteration, k in changes if switch.on_at < iteration <= switch.off_at + 1]
+    peak = max(during, default=0)
+    assert peak > switch.k_before, (switch.k_before, changes)
+    after = [k for iteration, k in changes if iteration > switch.off_at]
+    assert after and min(after) < peak, (switch.off_at, changes)
