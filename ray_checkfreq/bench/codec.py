@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated thread counts (default: 1 and all cores)")
     parser.add_argument("--no-delta", action="store_true",
                         help="skip the delta between two training checkpoints")
+    parser.add_argument("--near-lossless", action="store_true",
+                        help="instead: the near-lossless table (B = 2^23, 2^19, 2^16, bits = 16, 12, 8): "
+                             "ratio, speed, and the effect on sentence embeddings (nearlossless.py)")
 
 
 def default_input() -> Path:
@@ -381,6 +384,9 @@ def _span(ratios: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     path = args.input or default_input()
+    if args.near_lossless:
+        from ray_checkfreq.bench import nearlossless
+        return nearlossless.run(args, path)
     base = load_flat(path)
     cores = os.cpu_count() or 1
     names = args.methods.split(",") if args.methods else list(METHODS)
