@@ -34,7 +34,7 @@ def train_nodes(ray_cluster):
 
 def require_train_nodes(cluster, count: int, *, exactly: bool = False) -> None:
     """Tests only remove nodes (adding one late in a run failed): the order of the tests
-    below spends the session's 4 nodes, the drain and node-loss tests one each."""
+    below spends the session's 6 nodes, the drain and node-loss tests one each."""
     have = len(cluster.worker_nodes)
     assert have == count if exactly else have >= count, f"{have} Train nodes, this test needs {count}"
 
@@ -240,7 +240,8 @@ def drain(cluster, node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
-def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes, tmp_path):
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0s-node", "another-node"])
+def test_a_drain_notice_loses_no_iteration(reference, train_nodes, tmp_path, rank):
     require_train_nodes(train_nodes, 3)  # a spare for the restart
     work = tmp_path / "notice"
     os.makedirs(work)
@@ -252,7 +253,7 @@ def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes
         time.sleep(max(0.0, noticed["deadline"] - time.time()) + 1.0)
         remove_node_of(train_nodes, node_id)  # after the deadline: a preemption
 
-    preempter = when_rank_reaches(str(work), 0, 10, drain_then_remove)
+    preempter = when_rank_reaches(str(work), rank, 10, drain_then_remove)
     # max_failures=0: a preemption restart is not a failure
     result, work_dir = fit(tmp_path, "notice", sleep_s=0.2, max_failures=0)
     preempter.join(timeout=30)
@@ -261,9 +262,59 @@ def test_a_drain_notice_on_rank0s_node_loses_no_iteration(reference, train_nodes
     starts = events(work_dir, 0, "start")
     assert len(starts) == 2
     # Every rank blocked inside cf.step() of the stop iteration, before logging it.
-    trained = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
+    trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
     assert starts[1]["iteration"] == trained + 1
     assert starts[1]["restore"]["lost_after_notice"] == 0
+    assert_same_weights(final_weights(work_dir), reference)
+
+
+def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(reference, train_nodes, tmp_path):
+    """Rank 0's node is drained with a deadline already near, so the stop snapshot is taken at
+    once and persisted by the other node's agent (held there for a few seconds); rank 0's node
+    is removed while that persist is in flight. The other agent still commits the stop
+    iteration under the first attempt's writer generation, and the restart begins there."""
+    from ray_checkfreq import CheckpointStore
+    from ray_checkfreq.ray.agent import live_agents, run_key
+
+    require_train_nodes(train_nodes, 3)
+    work = tmp_path / "notice-gone"
+    os.makedirs(work)
+    name = f"notice-gone-{uuid.uuid4().hex[:6]}"
+    seen: dict = {}
+
+    def drain_and_remove_mid_persist(node_id: str) -> None:
+        import ray
+
+        other = next(node for node in live_agents(run_key(name)) if node != node_id)
+        holder = live_agents(run_key(name))[other]
+        ray.get(holder.hold_persist.remote(2.0))  # shorter than the job's restart_wait_s
+        drain(train_nodes, node_id, time.time() + 0.5)
+        deadline = time.monotonic() + 60
+        while ray.get(holder.in_flight.remote()) is None:
+            assert time.monotonic() < deadline, "the other node's agent never started the stop persist"
+            time.sleep(0.02)
+        seen.update(step=ray.get(holder.in_flight.remote()), removed_ns=time.time_ns())
+        remove_node_of(train_nodes, node_id)
+        store = CheckpointStore(str(tmp_path / "results" / name / "checkfreq"))
+        while time.monotonic() < deadline and "ref" not in seen:  # before retention may drop it
+            for ref in store.list():
+                if ref.step == seen["step"]:
+                    seen["ref"] = ref
+            time.sleep(0.05)
+
+    preempter = when_rank_reaches(str(work), 0, 10, drain_and_remove_mid_persist)
+    result, work_dir = fit(tmp_path, "notice-gone", run_name=name, sleep_s=0.2, max_failures=1)
+    preempter.join(timeout=30)
+    assert not isinstance(result, Exception), result
+    assert seen, "the node was never removed"
+    stop = seen["step"]
+    assert "ref" in seen, f"the stop iteration {stop} was never committed"
+    assert seen["ref"].writer_generation == 1  # by the first attempt's persist, not the restart's
+    assert seen["ref"].created_unix_ns > seen["removed_ns"]  # after rank 0's node was gone
+    starts = events(work_dir, 0, "start")
+    trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
+    assert [s["iteration"] for s in starts] == [0, stop] and stop == trained + 1
+    assert starts[1]["restore"]["committed_step"] == stop
     assert_same_weights(final_weights(work_dir), reference)
 
 
