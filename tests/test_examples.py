@@ -24,7 +24,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30", "RAY_DEDUP_LOGS": "0"}
 
 
-def run_example(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_ENV)
     return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,

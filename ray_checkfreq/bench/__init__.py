@@ -12,4 +12,5 @@ BENCHMARKS = {
     "overhead": "ray_checkfreq.bench.overhead",
     "restore": "ray_checkfreq.bench.restore",
     "ray": "ray_checkfreq.bench.ray_bench",
+    "all": "ray_checkfreq.bench.all",
 }
