@@ -182,13 +182,16 @@ def _registration(stats: dict) -> dict:
 
 
 def _end_agents(run: str) -> None:
-    """The next CheckFreq of this run starts with fresh agents: a slot left by this variant
-    would otherwise be restored by the next one."""
+    """The next CheckFreq of this run starts with fresh agents and a fresh policy actor: a
+    slot left by this variant would otherwise be restored by the next one, and the k this
+    variant's policy learned would be kept."""
     from ray_checkfreq.ray.agent import shutdown_agents
+    from ray_checkfreq.ray.policy_actor import shutdown_policy
 
     dist.barrier()
     if dist.get_rank() == 0:
         shutdown_agents(run)
+        shutdown_policy(run)
     dist.barrier()
 
 
