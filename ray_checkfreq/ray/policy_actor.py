@@ -104,11 +104,15 @@ def find_policy(run: str) -> Any | None:
         return None
 
 
-def shutdown_policy(run: str) -> bool:
+def shutdown_policy(run: str, timeout_s: float = 10.0) -> bool:
+    """Kill the run's policy actor and wait (bounded) until its name is free again."""
     handle = find_policy(run)
     if handle is None:
         return False
     ray.kill(handle)
+    deadline = time.monotonic() + timeout_s
+    while find_policy(run) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True
 
 
@@ -190,7 +194,7 @@ class PolicyLink:
             return ray.get(ref)
         except ray.exceptions.RayError as err:
             logger.warning("the run's policy actor is gone (%s); keeping k, starting a new one", err)
-            self._handle, self._lost_s = None, now
+            self._handle = None  # reconnected at the next poll, then at most every retry_s
             return None
 
     def _reconnect(self) -> None:
