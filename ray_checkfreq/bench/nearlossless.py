@@ -100,7 +100,10 @@ def time_settings(tensors: dict[str, torch.Tensor], threads: int, repeats: int) 
             row["decode_s"].append(t2 - t1)
             row["ratio_pct"] = 100 * sum(len(b) for b in blobs.values()) / raw
             row["tensors"] = len(blobs)
-            row["tensors_rounded"] = sum(codec.blob_info(b)["precision_factor_rounded"] for b in blobs.values())
+            rounded = [k for k, b in blobs.items() if codec.blob_info(b)["precision_factor_rounded"]]
+            row["tensors_rounded"] = len(rounded)
+            row["bytes_rounded_pct"] = 100 * sum(tensors[k].numel() * tensors[k].element_size()
+                                                 for k in rounded) / raw
             row["bound_held"] = all(_within_bound(tensors[k], decoded[k], setting) for k in tensors)
             row["decoded"] = decoded  # the last round's, for the accuracy columns (dropped from JSON)
     for row in rows.values():
@@ -146,12 +149,14 @@ def run(args: argparse.Namespace, path: Path) -> int:
     raw = sum(v.numel() * v.element_size() for v in tensors.values())
     print(f"input: {path} ({len(tensors)} floating tensors, {raw / 1e6:.1f} MB, "
           f"{', '.join(sorted({str(v.dtype).removeprefix('torch.') for v in tensors.values()}))}); "
-          f"{threads} threads; {args.repeats} rounds, settings interleaved")
+          f"{threads} threads; {args.repeats} rounds, settings interleaved; load average "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     rows = time_settings(tensors, threads, args.repeats)
     reference = None
     if model is not None:
         reference = minilm.sentence_embeddings(tensors, model[0], model[1], SENTENCES)
     _print_table(rows, tensors, model, reference)
+    print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for row in rows.values():
         row.pop("decoded")
     if args.json:
@@ -177,6 +182,13 @@ def _print_table(rows: dict[str, dict], tensors: dict, model: Any, reference: to
         print(f"{row['setting']:<10}{row['ratio_pct']:>8.2f}{row['encode_gbps_median']:>10.2f}"
               f"{row['decode_gbps_median']:>10.2f}{rounded:>9}{'ok' if row['bound_held'] else 'NO':>7}{tail}",
               flush=True)
+    factor_rows = [r for r in rows.values() if "precision_factor" in r]
+    if factor_rows:
+        outside = max(((v.numel(), k, v.abs().max().item()) for k, v in tensors.items() if v.abs().max() > 1),
+                      default=None)
+        print(f"B rows: the rounded tensors hold {factor_rows[0]['bytes_rounded_pct']:.1f} % of the bytes; the "
+              f"others have a value outside [-1, 1] and stay exact"
+              + (f" (the largest of them: {outside[1]}, max |x| {outside[2]:.2f})" if outside else ""))
     if model is None:
         print("(no config.json + vocab.txt beside the weights: output columns skipped)")
     else:
