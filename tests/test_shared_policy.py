@@ -204,3 +204,24 @@ def _poll_until(link, done, timeout_s: float = 30.0) -> dict:
             return decision
         time.sleep(0.05)
     raise AssertionError("the policy actor never answered as expected")
+
+
+def test_a_lost_policy_actor_is_replaced_and_gets_the_proposal_again(ray_session):
+    import ray
+
+    from ray_checkfreq.ray.agent import run_key
+    from ray_checkfreq.ray.policy_actor import PolicyLink, find_policy, shutdown_policy
+
+    run = run_key(f"policy-lost-{time.time_ns()}")
+    link = PolicyLink(run, rank=0, lease_s=60, poll_s=0.0)
+    try:
+        link.generation = 2
+        link.start(world_size=1, k=6, k_floor=3, iter_s=TI, overhead=0.05, adaptive={})
+        assert _poll_until(link, lambda d: d["k"] == 6)["generation"] == 2
+        first = find_policy(run)
+        ray.kill(first)
+        decision = _poll_until(link, lambda d: d["k"] == 6 and d["version"] == 1, timeout_s=60)
+        assert decision["generation"] == 2  # the new actor got rank 0's proposal again
+        assert find_policy(run)._actor_id != first._actor_id
+    finally:
+        shutdown_policy(run)
