@@ -8,7 +8,7 @@ from typing import Any
 
 from ray_checkfreq.chaos.schedule import KINDS, SCHEDULES, parse_kinds
 
-DEFAULT_KINDS = "commit,node,persist,notice,worker,snapshot,agent"
+DEFAULT_KINDS = "commit,notice,persist,node,worker,snapshot,agent"
 
 DESCRIPTION = """\
 Runs a small CNN on scikit-learn's digits with TorchTrainer (DDP over gloo, float64) on a
@@ -16,8 +16,8 @@ local multi-node Ray cluster (ray.cluster_utils.Cluster, one CPU per node), inje
 preemptions while it trains, and checks the result against an uninterrupted run:
 preemptions survived, iterations lost per preemption against the 2k bound, seconds from
 the kill to the first step of the restart, samples lost or repeated, final weights
-identical. Without flags: 3 nodes, 2 workers, 4 preemptions (commit, node, persist,
-notice), a lost node replaced after 3 s (fixed world size, as an autoscaler would).
+identical. Without flags: 3 nodes, 2 workers, 4 preemptions (commit, notice, persist,
+node), a lost node replaced after 3 s (fixed world size, as an autoscaler would).
 It starts its own cluster: run it where no Ray runtime is started.
 """
 
@@ -52,8 +52,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--nodes", type=int, default=3, help="training nodes of the local cluster (default 3)")
     add("--no-replace", action="store_true", help="do not add a node back after one is lost")
     add("--replace-delay-s", type=float, default=3.0, help="seconds before a lost node is replaced (default 3)")
-    add("--notice-deadline-s", type=float, default=3.0, help="deadline of a drain notice (default 3)")
-    add("--sleep-s", type=float, default=0.05, help="pause per iteration, so kills can be aimed (default 0.05)")
+    add("--notice-deadline-s", type=float, default=2.0, help="deadline of a drain notice (default 2)")
+    add("--sleep-s", type=float, default=0.1, help="pause per iteration, so kills can be aimed (default 0.1)")
     add("--compare", action="store_true",
         help="run the schedule twice: epoch-boundary checkpoints, then ray_checkfreq; print wasted work and time")
     add("--json", default=None, metavar="OUT", help="write the report here")

@@ -80,8 +80,8 @@ class LocalCluster:
         import ray._raylet
         from ray.core.generated import autoscaler_pb2
 
-        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-        accepted, why = ray._raylet.GcsClient(address=self.address).drain_node(
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+        accepted, why = ray._raylet.GcsClient(address=self.address).drain_node(  # type: ignore[attr-defined]
             node_id, reason, "ray_checkfreq chaos: preemption notice", int(deadline_s * 1000))
         if not accepted:
             raise RuntimeError(f"drain of node {node_id[:12]} refused: {why}")
