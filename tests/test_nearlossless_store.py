@@ -140,6 +140,8 @@ def test_a_delta_base_in_use_stays_exact_until_no_exact_checkpoint_needs_it(tmp_
 
 
 def _save_then_die_between_copy_and_delete(root: str, trim: HistoryTrim) -> None:
+    # Runs in a forked child: every tensor of state_of() is one codec frame and below torch's
+    # parallel grain, so no thread pool inherited from the parent is ever entered.
     store = CheckpointStore(root, keep_last=2, full_every=1, history_trim=trim)
     save_steps(store, range(1, 3))
     first = store.list()[0].name
