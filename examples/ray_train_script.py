@@ -30,6 +30,7 @@ import re
 import signal
 import tempfile
 import uuid
+from pathlib import Path
 
 import ray
 import ray.train
@@ -123,8 +124,8 @@ def evaluate(checkpoint: ray.train.Checkpoint) -> float:
 def report(work_dir: str, result: ray.train.Result) -> None:
     with open(os.path.join(work_dir, "attempts.jsonl")) as lines:
         attempts = [json.loads(line) for line in lines]
-    crash = os.path.join(work_dir, "crash.json")
-    crashed_at = json.load(open(crash))["iteration"] if os.path.exists(crash) else None
+    crash = Path(work_dir, "crash.json")
+    crashed_at = json.loads(crash.read_text())["iteration"] if crash.exists() else None
     for number, attempt in enumerate(attempts, 1):
         source = (attempt["restore"] or {}).get("kind", "none")
         line = f"attempt {number}: {attempt['world_size']} workers, started at iteration {attempt['start']}"
@@ -132,8 +133,10 @@ def report(work_dir: str, result: ray.train.Result) -> None:
             line += f" (restored from {source}; rank 1 was killed after iteration {crashed_at}: "
             line += f"{crashed_at - attempt['start']} iterations lost)"
         print(line, flush=True)
-    step = json.load(open(os.path.join(result.checkpoint.path, "checkfreq-pointer.json"))).get("step") \
-        if result.checkpoint else None
+    if result.checkpoint is None:
+        print("result.checkpoint: none registered", flush=True)
+        return
+    step = json.loads(Path(result.checkpoint.path, "checkfreq-pointer.json").read_text()).get("step")
     print(f"result.checkpoint: step {step}; held-out accuracy {evaluate(result.checkpoint):.3f}", flush=True)
 
 

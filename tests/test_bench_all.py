@@ -60,3 +60,16 @@ def test_extra_flags_need_a_known_benchmark():
     assert bench_all._extra_flags(["ray=--repeats 3 --no-kill"]) == {"ray": ["--repeats", "3", "--no-kill"]}
     with pytest.raises(ValueError, match="--set 'repeats=3'"):
         bench_all._extra_flags(["repeats=3"])
+
+
+def test_the_recorded_command_parses_back_to_the_same_run():
+    import argparse
+    import shlex
+
+    parser = argparse.ArgumentParser()
+    bench_all.add_arguments(parser)
+    args = parser.parse_args(["--out", "r", "--only", "ray,codec", "--quick", "--set", "ray=--repeats 3",
+                              "--timeout-s", "90"])
+    words = shlex.split(bench_all.command_line(args))
+    assert words[:3] == ["ray-checkfreq", "bench", "all"]
+    assert vars(parser.parse_args(words[3:])) == vars(args)

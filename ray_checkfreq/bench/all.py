@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 SECTIONS = ("codec", "stall", "overhead", "iterator", "restore", "ray")
+DEFAULT_TIMEOUT_S = 3600.0
 
 # Small defaults: minutes each on 2 cores. The README's figures come from longer runs.
 DEFAULT_ARGS: dict[str, list[str]] = {
@@ -68,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the smallest settings (a smoke test)")
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar='NAME="FLAGS"',
                         help='more flags for one benchmark, after its defaults, e.g. ray="--repeats 3"')
-    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per benchmark (default 3600)")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"per benchmark (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +128,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append("--quick")
     for entry in args.extra:
         parts += ["--set", entry]
+    if args.timeout_s != DEFAULT_TIMEOUT_S:
+        parts += ["--timeout-s", f"{args.timeout_s:g}"]
     return shlex.join(parts)
 
 
