@@ -107,16 +107,16 @@ def summary_ray(f: dict) -> list[str]:
 # ------------------------------------------------------------------ plots
 def plot_codec(f: dict, ax: Any) -> None:
     rows = [r for r in f["rows"] if r["threads"] == min(x["threads"] for x in f["rows"])]
-    labels = [f"{r['dtype'].split()[0]}\n{r['method']}" for r in rows]
+    labels = [f"{r['dtype'].split()[0]} {r['method']}" for r in rows]
     positions = range(len(rows))
     ax[0].bar(positions, [r["ratio_pct"] for r in rows], color="tab:blue")
     ax[0].set_ylabel("stored, % of raw bytes")
-    ax[0].set_xticks(list(positions), labels, fontsize=7)
+    ax[0].set_xticks(list(positions), labels, fontsize=7, rotation=60, ha="right")
     width = 0.4
     ax[1].bar([p - width / 2 for p in positions], [r["encode_gbps"]["median"] for r in rows], width, label="encode")
     ax[1].bar([p + width / 2 for p in positions], [r["decode_gbps"]["median"] for r in rows], width, label="decode")
     ax[1].set_ylabel(f"GB/s (median, {rows[0]['threads']} thread)")
-    ax[1].set_xticks(list(positions), labels, fontsize=7)
+    ax[1].set_xticks(list(positions), labels, fontsize=7, rotation=60, ha="right")
     ax[1].legend()
 
 
@@ -203,7 +203,7 @@ def draw(name: str, figures: dict, out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     try:
         PLOTS[name](figures, ax)
         fig.suptitle(TITLES[name])
