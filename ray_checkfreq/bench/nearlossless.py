@@ -86,18 +86,21 @@ def time_settings(tensors: dict[str, torch.Tensor], threads: int, repeats: int) 
     """Every setting in turn, ``repeats`` rounds (every other one in reverse order)."""
     raw = sum(v.numel() * v.element_size() for v in tensors.values())
     rows: dict[str, dict[str, Any]] = {name: {"setting": name, **setting, "threads": threads, "encode_s": [],
-                                              "decode_s": []} for name, setting in SETTINGS}
+                                              "decode_s": [], "encode_cpu_s": [], "decode_cpu_s": []}
+                                       for name, setting in SETTINGS}
     for round_no in range(repeats):
         for name, setting in SETTINGS[::-1 if round_no % 2 else 1]:
             row = rows[name]
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             blobs = _encode_all(tensors, setting, threads)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             decoded = _decode_all(blobs, threads)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             row["encode_s"].append(t1 - t0)
             row["decode_s"].append(t2 - t1)
+            row["encode_cpu_s"].append(c1 - c0)  # CPU time of all threads: what the work cost,
+            row["decode_cpu_s"].append(c2 - c1)  # less sensitive than wall time to other load
             row["ratio_pct"] = 100 * sum(len(b) for b in blobs.values()) / raw
             row["tensors"] = len(blobs)
             rounded = [k for k, b in blobs.items() if codec.blob_info(b)["precision_factor_rounded"]]
@@ -107,7 +110,7 @@ def time_settings(tensors: dict[str, torch.Tensor], threads: int, repeats: int) 
             row["bound_held"] = all(_within_bound(tensors[k], decoded[k], setting) for k in tensors)
             row["decoded"] = decoded  # the last round's, for the accuracy columns (dropped from JSON)
     for row in rows.values():
-        for what in ("encode", "decode"):
+        for what in ("encode", "decode", "encode_cpu", "decode_cpu"):
             row[f"{what}_gbps_median"] = raw / statistics.median(row[f"{what}_s"]) / 1e9
     return rows
 
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace, path: Path) -> int:
     if model is not None:
         reference = minilm.sentence_embeddings(tensors, model[0], model[1], SENTENCES)
     _print_table(rows, tensors, model, reference)
+    print("speeds: medians over the rounds, of wall time and of the process's CPU time (all threads)")
     print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for row in rows.values():
         row.pop("decoded")
@@ -167,7 +171,8 @@ def run(args: argparse.Namespace, path: Path) -> int:
 
 
 def _print_table(rows: dict[str, dict], tensors: dict, model: Any, reference: torch.Tensor | None) -> None:
-    header = (f"{'setting':<10}{'ratio%':>8}{'enc GB/s':>10}{'dec GB/s':>10}{'rounded':>9}{'bound':>7}"
+    header = (f"{'setting':<10}{'ratio%':>8}{'enc GB/s wall/cpu':>19}{'dec GB/s wall/cpu':>19}"
+              f"{'rounded':>9}{'bound':>7}"
               f"{'min cos':>14}{'mean 1-cos':>12}{'max d(sim)':>12}")
     print(header)
     print("-" * len(header))
@@ -179,9 +184,10 @@ def _print_table(rows: dict[str, dict], tensors: dict, model: Any, reference: to
         rounded = f"{row['tensors_rounded']}/{row['tensors']}" if "precision_factor" in row else "-"
         tail = (f"{effect['cos_min']:>14.10f}{effect['one_minus_cos_mean']:>12.2e}"
                 f"{effect['pair_sim_max_change']:>12.2e}") if effect else f"{'n/a':>14}{'n/a':>12}{'n/a':>12}"
-        print(f"{row['setting']:<10}{row['ratio_pct']:>8.2f}{row['encode_gbps_median']:>10.2f}"
-              f"{row['decode_gbps_median']:>10.2f}{rounded:>9}{'ok' if row['bound_held'] else 'NO':>7}{tail}",
-              flush=True)
+        speeds = "".join(f"{row[f'{what}_gbps_median']:>12.2f}/{row[f'{what}_cpu_gbps_median']:<6.2f}"
+                         for what in ("encode", "decode"))
+        held = "ok" if row["bound_held"] else "NO"
+        print(f"{row['setting']:<10}{row['ratio_pct']:>8.2f}{speeds}{rounded:>9}{held:>7}{tail}", flush=True)
     factor_rows = [r for r in rows.values() if "precision_factor" in r]
     if factor_rows:
         outside = max(((v.numel(), k, v.abs().max().item()) for k, v in tensors.items() if v.abs().max() > 1),
