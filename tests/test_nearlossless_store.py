@@ -96,7 +96,7 @@ def test_a_resume_never_reads_a_trimmed_copy(tmp_path):
                 os.remove(tmp_path / ref.name / shard)
     reader = CheckpointStore(str(tmp_path))
     assert reader.latest() is None
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CheckpointNotFoundError, match=r"history copies \(load them by step\) at steps \[1\]"):
         reader.load()
     assert reader.load(1)["iterator"] == state_of(1)["iterator"]  # asked for by step: given
 

@@ -32,6 +32,9 @@ Commit protocol (invariants):
    something outside the store still points at (a Ray Train pointer checkpoint, say):
    retention keeps every checkpoint of those steps. It is asked at each retention, so a
    pointer that went away stops protecting; if it raises, retention deletes nothing.
+8. With ``history_trim``, retention rewrites history checkpoints near-lossless (see
+   ``history``): the copy commits before its source is deleted; copies never count among
+   the newest ``keep_last`` and are never what ``latest()`` or ``load()`` returns.
 """
 
 from __future__ import annotations
@@ -602,6 +605,9 @@ class CheckpointStore:
                 logger.warning("checkpoint %s is corrupt, falling back: %s", ref.uri, err)
                 faults.append(str(err))
         detail = f"; faults: {faults}" if faults else ""
+        trimmed = [ref.step for ref in self.list() if ref.trimmed]
+        if trimmed:
+            detail += f"; near-lossless history copies (load them by step) at steps {trimmed}"
         raise CheckpointNotFoundError(f"no valid checkpoint in {self.uri}{detail}")
 
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
