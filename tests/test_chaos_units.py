@@ -256,3 +256,30 @@ def test_bad_flags_name_the_value(args, named, capsys):
 
     assert cli.main(["chaos", *args]) == 1  # refused before any cluster starts
     assert named in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- injector triggers
+def test_the_next_preemption_waits_for_the_restarted_job_not_for_steps_of_dying_processes(tmp_path):
+    from ray_checkfreq.chaos.runner import Injector
+
+    drawn = schedule.at_iterations([5, 8], ("node", "worker"))
+    injector = Injector(None, ChaosConfig(progress=None), str(tmp_path), drawn)  # type: ignore[arg-type]
+    injector._absorb(_start(1, 0, 1.0) + _batches(1, range(1, 7), 2.0))
+    assert injector._due(drawn[0]) and not injector._due(drawn[1])
+    # the node of rank 0 is removed at t=10; its processes still log iterations 7-9 just after
+    injector._last_kill_t, injector._restart_after, injector._resumed_t = 10.0, 9.5, None
+    injector._absorb([dict(b, t=10.2 + n * 0.01) for n, b in enumerate(_batches(1, range(7, 10), 0.0))])
+    assert injector.view.iteration == 9 and not injector._due(drawn[1])
+    injector._absorb(_start(2, 6, 30.0) + _batches(2, range(7, 9), 31.0))
+    assert injector._due(drawn[1])
+
+
+def test_after_an_agent_kill_the_same_attempt_training_on_is_enough(tmp_path):
+    from ray_checkfreq.chaos.runner import Injector
+
+    drawn = schedule.at_iterations([3, 5], ("agent", "worker"))
+    injector = Injector(None, ChaosConfig(progress=None), str(tmp_path), drawn)  # type: ignore[arg-type]
+    injector._absorb(_start(1, 0, 1.0) + _batches(1, range(1, 4), 2.0))
+    injector._last_kill_t, injector._restart_after, injector._resumed_t = 4.5, None, None
+    injector._absorb(_batches(1, range(4, 6), 5.0))
+    assert injector._due(drawn[1])

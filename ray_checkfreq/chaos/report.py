@@ -189,10 +189,10 @@ def plot_timeline(events: list[dict], report: dict, path: str, *, title: str = "
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [3, 1]})
     _plot_progress(top, events, t0)
     _plot_marks(top, events, report, t0)
-    top.set_xlabel("wall time (s)")
+    top.set_xlabel("seconds since fit() started")
     top.set_ylabel("iteration")
     top.set_title(title)
-    top.legend(loc="upper left", fontsize=8)
+    top.legend(loc="lower right", fontsize=8)
     _plot_lost(bottom, report)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,8 +218,8 @@ def _plot_marks(ax: Any, events: list[dict], report: dict, t0: float) -> None:
         ax.axvline(e["t"] - t0, color="tab:orange", ls="--", lw=1, label="drain notice" if n == 0 else None)
     for n, p in enumerate(report["detail"]["preemptions"]):
         ax.axvline(p["t_kill"] - t0, color="tab:red", lw=1, label="preemption" if n == 0 else None)
-        ax.annotate(p["kind"], (p["t_kill"] - t0, ax.get_ylim()[1]), rotation=90, fontsize=7, va="top",
-                    ha="right", color="tab:red")
+        ax.annotate(f"{p['index'] + 1}: {p['kind']}", (p["t_kill"] - t0, ax.get_ylim()[1]), rotation=90,
+                    fontsize=7, va="top", ha="right", color="tab:red")
     attempts_ = report["detail"]["attempts"][1:]
     ax.scatter([a["started_t"] - t0 for a in attempts_], [a["start_iteration"] for a in attempts_],
                marker="^", s=40, color="tab:purple", label="restore (iteration resumed at)", zorder=4)
@@ -228,7 +228,8 @@ def _plot_marks(ax: Any, events: list[dict], report: dict, t0: float) -> None:
 def _plot_lost(ax: Any, report: dict) -> None:
     outcomes = report["detail"]["preemptions"]
     labels = [f"{p['index'] + 1}: {p['kind']}" for p in outcomes]
-    ax.bar(range(len(outcomes)), [p["lost_iterations"] for p in outcomes], color="tab:red")
+    bars = ax.bar(range(len(outcomes)), [p["lost_iterations"] for p in outcomes], color="tab:red")
+    ax.bar_label(bars, labels=[str(p["lost_iterations"]) for p in outcomes], fontsize=8)
     ax.axhline(report["lost_iterations_bound"], color="black", ls=":", lw=1, label="bound 2k")
     ax.set_xticks(range(len(outcomes)), labels, fontsize=8)
     ax.set_ylabel("lost iterations")

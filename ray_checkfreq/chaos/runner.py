@@ -39,6 +39,7 @@ DEFAULT_KINDS = ("commit", "notice", "persist", "node", "worker", "snapshot", "a
 CHECKPOINTING = ("checkfreq", "epoch")
 RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
            "RAY_DEDUP_LOGS": "0"}
+NO_RESTART_KINDS = ("agent",)  # a node agent is replaced without restarting the job
 JOB_VERSION = "digits-cnn-1"  # part of the reference's cache key: change it when the job changes
 
 
@@ -128,14 +129,14 @@ def plan(config: ChaosConfig) -> list[schedules.Preemption]:
 # ---------------------------------------------------------------------- entry points
 def run_chaos(config: ChaosConfig) -> dict:
     """One chaos run on its own local cluster; returns the report (``report.build_report`` + config)."""
-    with _cluster(config) as cluster:
+    with _OwnCluster(config) as cluster:
         reference = _reference(cluster, config) if config.compare_reference else None
         return _chaos_arm(cluster, config, reference)
 
 
 def compare(config: ChaosConfig) -> dict:
     """The same job and schedule with epoch-boundary checkpoints and with ray_checkfreq."""
-    with _cluster(config) as cluster:
+    with _OwnCluster(config) as cluster:
         reference = _reference(cluster, config) if config.compare_reference else None
         arms = {}
         for name in ("epoch", "checkfreq"):
@@ -151,7 +152,7 @@ def _comparison_row(report: dict) -> dict:
 
 
 # ---------------------------------------------------------------------- cluster
-class _cluster:
+class _OwnCluster:
     """Ray environment, the local cluster, and the driver's connection (all undone on exit)."""
 
     def __init__(self, config: ChaosConfig) -> None:
@@ -358,8 +359,10 @@ class Injector:
         self.events: list[dict] = [{"t": time.time(), "event": "run_start"}]
         self.errors: list[str] = []
         self.view = JobView()
+        self._attempt_started_t = 0.0
         self._replacements: list[float] = []
         self._last_kill_t = 0.0
+        self._restart_after: float | None = None  # an injection that restarts the job: its start
         self._resumed_t: float | None = None
         self._t0 = time.time()
 
@@ -388,14 +391,23 @@ class Injector:
                 self._on_start(event)
             elif kind == "batch" and event["rank"] == 0 and event["attempt"] == self.view.attempt:
                 self.view.iteration = event["iteration"]
-                if self._resumed_t is None and event["t"] > self._last_kill_t:
+                if self._resumed_t is None and self._resumed_by(event):
                     self._resumed_t = event["t"]
             elif kind == "commit":
                 self._print(event["t"], f"commit: checkpoint of iteration {event['step']}")
 
+    def _resumed_by(self, batch: dict) -> bool:
+        """Whether this batch shows the job training again after the last preemption: after the
+        kill, and in an attempt that began after it where the preemption restarts the job (the
+        processes of a removed node may still log a step or two before they notice)."""
+        if batch["t"] <= self._last_kill_t:
+            return False
+        return self._restart_after is None or self._attempt_started_t > self._restart_after
+
     def _on_start(self, event: dict) -> None:
         if self.view.attempt is None or event["attempt"] > self.view.attempt:
             self.view.attempt, self.view.ranks = event["attempt"], {}
+            self._attempt_started_t = event["t"]
         if event["attempt"] == self.view.attempt:
             self.view.ranks[event["rank"]] = event
             self.view.run = event["run"]
@@ -426,6 +438,7 @@ class Injector:
             self._print(time.time(), f"{label} NOT injected: {err}")
             return
         self._last_kill_t = hit.get("t_kill", t)
+        self._restart_after = None if preemption.kind in NO_RESTART_KINDS else t
         self._resumed_t = None
         self.events.append({"t": t, "event": "inject", "index": preemption.index, "kind": preemption.kind,
                             "iteration": self.view.iteration, **hit})
