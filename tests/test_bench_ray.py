@@ -39,6 +39,7 @@ def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
     assert variants[job.REPORT_SYNC]["checkpoints"] == [2]
     assert variants[job.REPORT_ASYNC]["checkpoints"] == [2]
     assert variants[job.OURS_SAME_K]["checkpoints"] == [2]
+    assert variants[job.OURS_SAME_K_NO_REPLICAS]["checkpoints"] == [2]
     assert variants[job.OURS_POLICY]["runs"][0]["policy_decided_before_timing"] is True
     recovery = figures["recovery"]
     assert recovery["killed_at"] == job.recovery_kill_at(4) == 10
@@ -67,7 +68,8 @@ def _results() -> list[dict]:
     """Two rounds on a machine that slows down: baselines of 10 iterations in 10 s, 30 s, then
     a closing 10 s. Every round's reference is 2 s per iteration (the mean of the baselines
     around it); each variant took the reference times (1 + its overhead) per iteration."""
-    overheads = {job.REPORT_SYNC: 0.5, job.REPORT_ASYNC: 0.1, job.OURS_POLICY: 0.03, job.OURS_SAME_K: 0.05}
+    overheads = {job.REPORT_SYNC: 0.5, job.REPORT_ASYNC: 0.1, job.OURS_POLICY: 0.03, job.OURS_SAME_K: 0.05,
+                 job.OURS_SAME_K_NO_REPLICAS: 0.04}
     rows = []
     for repeat, base in ((0, 10.0), (1, 30.0)):
         rows.append({"kind": "variant", "variant": job.BASELINE, "repeat": repeat, "k": 10, "seconds": base,
@@ -92,6 +94,7 @@ def test_overhead_is_against_the_baselines_around_each_round():
     assert figures["overhead_report_async"] == pytest.approx(0.1)
     assert figures["overhead_ours_policy"] == pytest.approx(0.03)
     assert figures["overhead_ours_same_k"] == pytest.approx(0.05)
+    assert figures["overhead_ours_same_k_no_replicas"] == pytest.approx(0.04)
     assert figures["variants"][job.OURS_SAME_K]["overhead"]["max"] == pytest.approx(0.05)
     assert figures["variants"][job.BASELINE]["overhead"]["values"] == pytest.approx([-0.5, 0.5])  # the drift
     assert len(figures["variants"][job.BASELINE]["runs"]) == 2  # the closing baseline is a reference only

@@ -166,6 +166,7 @@ def summarize(results: list[dict], config: dict) -> dict:
         "variants": per_variant,
         "overhead_ours_policy": per_variant[job.OURS_POLICY]["overhead"]["median"],
         "overhead_ours_same_k": per_variant[job.OURS_SAME_K]["overhead"]["median"],
+        "overhead_ours_same_k_no_replicas": per_variant[job.OURS_SAME_K_NO_REPLICAS]["overhead"]["median"],
         "overhead_report_sync": per_variant[job.REPORT_SYNC]["overhead"]["median"],
         "overhead_report_async": per_variant[job.REPORT_ASYNC]["overhead"]["median"],
         "checkpoints_per_epoch": _checkpoints_per_epoch(per_variant, k, config["epoch_len"]),
@@ -189,7 +190,7 @@ def _checkpoints_per_epoch(per_variant: dict, k: int, epoch_len: int) -> dict:
     policy_ks = [value for value in per_variant[job.OURS_POLICY]["k"] if value]
     policy = epoch_len / statistics.median(policy_ks) if policy_ks else None
     return {job.REPORT_SYNC: epoch_len / k, job.REPORT_ASYNC: epoch_len / k, job.OURS_SAME_K: epoch_len / k,
-            job.OURS_POLICY: policy, job.BASELINE: 0.0}
+            job.OURS_SAME_K_NO_REPLICAS: epoch_len / k, job.OURS_POLICY: policy, job.BASELINE: 0.0}
 
 
 def targets(figures: dict, overhead: float) -> dict:
@@ -211,7 +212,7 @@ def print_table(figures: dict) -> None:
           f"batch {cfg['batch']}/rank; Ti {figures['iteration_s'] * 1000:.0f} ms; k = {figures['k']} "
           f"(k x Ti = {figures['k_times_iteration_s']:.1f} s); {cfg['repeats']} interleaved rounds of "
           f"{cfg['iterations']} timed iterations after {cfg['warmup']} untimed; epoch = {cfg['epoch_len']} iterations")
-    print(f"{'variant':<14} {'k':>8} {'ckpt/epoch':>10} {'timed ckpts':>11} {'s/iter':>9} "
+    print(f"{'variant':<23} {'k':>8} {'ckpt/epoch':>10} {'timed ckpts':>11} {'s/iter':>9} "
           f"{'overhead':>9} {'min':>8} {'max':>8}")
     for name, entry in figures["variants"].items():
         overhead = entry["overhead"]
@@ -219,7 +220,7 @@ def print_table(figures: dict) -> None:
         ckpts = "/".join(str(c) for c in entry["checkpoints"])
         per_epoch = figures["checkpoints_per_epoch"][name]
         per_epoch_text = "-" if per_epoch is None else f"{per_epoch:.1f}"
-        print(f"{name:<14} {ks:>8} {per_epoch_text:>10} {ckpts:>11} {entry['seconds_per_iteration']['median']:>9.3f} "
+        print(f"{name:<23} {ks:>8} {per_epoch_text:>10} {ckpts:>11} {entry['seconds_per_iteration']['median']:>9.3f} "
               f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%}")
     print("(none: each round's baseline against the mean of it and the next one, i.e. the drift: the noise floor)")
     _print_start_up(figures["variants"])

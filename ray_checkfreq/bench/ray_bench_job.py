@@ -33,7 +33,10 @@ REPORT_SYNC = "report_sync"
 REPORT_ASYNC = "report_async"
 OURS_POLICY = "ours_policy"
 OURS_SAME_K = "ours_same_k"
-VARIANTS = (BASELINE, REPORT_SYNC, REPORT_ASYNC, OURS_POLICY, OURS_SAME_K)
+# The same k with a RAM copy on rank 0's node only: on one machine the other node's replica
+# copy competes for the same cores, which on a real cluster it does not.
+OURS_SAME_K_NO_REPLICAS = "ours_same_k_no_replicas"
+VARIANTS = (BASELINE, REPORT_SYNC, REPORT_ASYNC, OURS_POLICY, OURS_SAME_K, OURS_SAME_K_NO_REPLICAS)
 KILL_RECORD = "kill.json"
 POLICY_WAIT_ITERS = 500
 
@@ -123,16 +126,16 @@ def run_report(job: Job, k: int, mode_name: str) -> dict:
     return {"seconds": seconds, "checkpoints": count}
 
 
-def _checkfreq(job: Job, storage: str, every: int | None) -> Any:
-    from ray_checkfreq.ray import CheckFreq
+def _checkfreq(job: Job, storage: str, every: int | None, replicas: bool = True) -> Any:
+    from ray_checkfreq.ray import CheckFreq, RayConfig
 
     return CheckFreq(model=job.model, optimizer=job.optimizer, storage=storage, every=every,
                      overhead=job.config["overhead"], epoch_len=job.config["epoch_len"],
-                     profile_iters=job.config["profile_iters"])
+                     profile_iters=job.config["profile_iters"], ray_config=RayConfig(replicas=replicas))
 
 
-def run_ours(job: Job, k: int | None, storage: str) -> dict:
-    cf = _checkfreq(job, storage, k)
+def run_ours(job: Job, k: int | None, storage: str, *, replicas: bool = True) -> dict:
+    cf = _checkfreq(job, storage, k, replicas)
     cf.restore()
     profiling = 0
     # Start-up, untimed: the policy's profiling window (until rank 0 has its k) and the run's
@@ -227,7 +230,7 @@ def run_variant(job: Job, variant: str, k: int, repeat: int) -> dict:
         return run_baseline(job, k)
     if variant in (REPORT_SYNC, REPORT_ASYNC):
         return run_report(job, k, variant)
-    return run_ours(job, None if variant == OURS_POLICY else k, storage)
+    return run_ours(job, None if variant == OURS_POLICY else k, storage, replicas=variant != OURS_SAME_K_NO_REPLICAS)
 
 
 def measure_variants(job: Job) -> int:

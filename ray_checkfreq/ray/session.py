@@ -68,6 +68,10 @@ class RayConfig:
     ``metrics_every_s``: how often rank 0 records its figures as Ray metrics (None: never).
     ``shared_policy``: k adapts in the run's ``PolicyActor`` from every rank's iterations
     and every agent's persists (False: from rank 0's own measurements only).
+    ``replicas``: the first rank on every node keeps a RAM copy in its node's agent (True),
+    or only rank 0's node does (False: less memory traffic per checkpoint, but losing rank
+    0's node falls back to storage, and a notice on it cannot hand the persist to another
+    node).
     """
 
     restart_wait_s: float = 120.0
@@ -82,6 +86,7 @@ class RayConfig:
     registration: RegistrationConfig | None = field(default_factory=RegistrationConfig)
     metrics_every_s: float | None = 5.0
     shared_policy: bool = True
+    replicas: bool = True
 
     def __post_init__(self) -> None:
         for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s", "drain_poll_s", "replica_wait_s"):
@@ -120,7 +125,8 @@ class CheckFreq:
         self._control_group = _new_gloo_group(self.world_size)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.nodes = all_gather_json(self.node_id, world_size=self.world_size, group=self._control_group)
-        self.snapshots = self.nodes.index(self.node_id) == self.rank  # first rank on its node
+        first_on_node = self.nodes.index(self.node_id) == self.rank
+        self.snapshots = first_on_node and (self.ray_config.replicas or self.rank == 0)
         self.generation: int | None = None
         self.agent = self._agent(model, optimizer) if self.snapshots else None
         self.restore_info: dict | None = None

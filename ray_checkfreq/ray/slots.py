@@ -351,11 +351,14 @@ class MappedSlot:
         self._set_state(SLOT_COMPLETE)
         return _replace(sealed, state=SLOT_COMPLETE)
 
-    def read(self, *, copy: bool = False) -> tuple[SlotHeader, Any]:
+    def read(self, *, copy: bool = False, verify_data: bool = True) -> tuple[SlotHeader, Any]:
         """The header and state of a COMPLETE slot whose checksums match; SlotError otherwise.
 
         ``copy=False``: tensors stored by offset are views of the mapping (drop them before
         ``close``). ``copy=True``: private copies, and the slot must not be rewritten meanwhile.
+        ``verify_data=False`` skips the data CRC (the header and meta are still checked): for
+        a persist right after the seal, whose store checksums what it writes; a restore
+        always verifies.
         """
         header = self._readable_header()
         if copy:
@@ -364,7 +367,7 @@ class MappedSlot:
             data_offset = 0
         else:
             data, data_offset = self._mm, HEADER_BYTES
-        if crc32(memoryview(data)[data_offset:data_offset + header.data_bytes]) != header.data_crc32:
+        if verify_data and crc32(memoryview(data)[data_offset:data_offset + header.data_bytes]) != header.data_crc32:
             raise SlotError(self.path, "data crc32 mismatch: the slot's data is corrupt")
         meta_start = HEADER_BYTES + header.data_capacity
         state = self._decode_meta(self._mm[meta_start:meta_start + header.meta_bytes], data, data_offset,
