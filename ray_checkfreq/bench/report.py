@@ -172,7 +172,11 @@ def plot_restore(f: dict, ax: Any) -> None:
     ax[0].set_yticks(range(len(names)), names, fontsize=7)
     ax[0].invert_yaxis()
     ax[0].set_xlabel("restore time, s (median)")
-    ax[1].set_visible(False)
+    mib = f["state_bytes"] / 2**20
+    ax[1].barh(range(len(names)), [mib / f["sources"][n]["median_s"] for n in names], color="tab:cyan")
+    ax[1].set_yticks(range(len(names)), names, fontsize=7)
+    ax[1].invert_yaxis()
+    ax[1].set_xlabel("MiB/s of state restored (median)")
 
 
 def plot_ray(f: dict, ax: Any) -> None:
@@ -183,7 +187,11 @@ def plot_ray(f: dict, ax: Any) -> None:
     ax[0].bar(range(len(names)), medians, yerr=[low, high], color="tab:blue", capsize=3)
     ax[0].set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=7)
     ax[0].set_ylabel("overhead against no checkpoints, % (median, min..max)")
-    ax[1].set_visible(False)
+    per_epoch = f.get("checkpoints_per_epoch", {})
+    shown = [n for n in names if per_epoch.get(n) is not None]
+    ax[1].bar(range(len(shown)), [per_epoch[n] for n in shown], color="tab:gray")
+    ax[1].set_xticks(range(len(shown)), [n.replace("_", "\n", 1) for n in shown], fontsize=7)
+    ax[1].set_ylabel(f"checkpoints per epoch ({f['config']['epoch_len']} iterations)")
 
 
 SUMMARIES: dict[str, Callable[[dict], list[str]]] = {
@@ -231,7 +239,7 @@ def write_reports(report: dict, out: Path) -> None:
 def markdown(report: dict) -> str:
     lines = [f"# ray_checkfreq benchmark report ({report['settings']} settings)", "",
              f"Made by `{report['command']}` on {report['started_utc']} in {report['wall_s'] / 60:.1f} minutes.", "",
-             *machine_lines(report["machine"]), ""]
+             *machine_lines(report["machine"]), "", *load_warning(report["machine"])]
     for name, section in report["sections"].items():
         lines += section_lines(name, section)
     return "\n".join(lines) + "\n"
@@ -250,6 +258,16 @@ def machine_lines(machine: dict) -> list[str]:
         ["ray_checkfreq commit", machine.get("ray_checkfreq_commit") or "unknown"],
         ["load average at start", " / ".join(f"{x:.2f}" for x in load)],
     ])
+
+
+def load_warning(machine: dict) -> list[str]:
+    load = (machine.get("load_average_at_start") or [0.0])[0]
+    cores = machine.get("cores") or 1
+    if load <= cores:
+        return []
+    return [f"**The machine was shared**: load average {load:.1f} on {cores} cores when the run started. "
+            "Other work took CPU time at random moments, so timings (and the overheads, which are differences "
+            "of timings) are noisy; compression ratios, sizes, counts and exactness are not affected.", ""]
 
 
 def section_lines(name: str, section: dict) -> list[str]:
