@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/ray_demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache ray_checkfreq/codec/*.so

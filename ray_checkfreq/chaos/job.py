@@ -7,13 +7,17 @@ every rank of one attempt shares it, a later attempt has a larger one):
 - ``batch``: the iteration trained and the global sample ids this rank used, written
   after ``optimizer.step()`` and before ``cf.step()`` (a rank stopped inside ``cf.step()``
   by a notice has logged the iteration it checkpointed);
+- ``stats`` (rank 0, with ``log_stats``): the engine's figures after every checkpoint
+  interval, so that a killed attempt leaves its figures too;
 - ``end``: the final iteration and the engine's figures.
 Rank 0 saves the final weights to ``<work_dir>/final.pt``.
 
 Config keys: ``work_dir``, ``store_dir``, ``control_dir`` (hold points, see ``holds.py``),
 ``iterations``, ``every`` (k; ``epoch_len`` for epoch-boundary checkpoints),
 ``global_batch``, ``sleep_s`` (pacing, so that the injector can aim), ``notices``
-(False: a baseline that does not react to drain notices).
+(False: a baseline that does not react to drain notices). Optional: ``compress`` (the
+engine's: None measures whether the codec pays; default False), ``store_uri`` and
+``s3_endpoint`` (checkpoints on S3 instead of ``store_dir``; no hold points there).
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def train(config: dict) -> None:
     torch.set_num_threads(1)
     HeldSeal.install(config["control_dir"])
     log = EventLog(config["work_dir"], rank)
-    images, labels = digits()
+    device = ray.train.torch.get_device()
+    images, labels = (t.to(device) for t in digits())
     global_batch = config.get("global_batch", GLOBAL_BATCH)
     epoch_len = epoch_length(len(images), global_batch)
     model = ray.train.torch.prepare_model(small_cnn())
@@ -88,25 +93,33 @@ def train(config: dict) -> None:
     _train_loop(config, cf, data, model, optimizer, images, labels, log, epoch_len)
     cf.close()
     if rank == 0:
-        torch.save({"iteration": cf.iteration, "model": cf.engine.model.state_dict()},
+        weights = {k: v.cpu() for k, v in cf.engine.model.state_dict().items()}
+        torch.save({"iteration": cf.iteration, "model": weights},
                    os.path.join(config["work_dir"], "final.pt"))
     log("end", iteration=cf.iteration, stats=_plain(cf.stats()))
 
 
 def _checkfreq(config: dict, model: Any, optimizer: Any, samples: int, global_batch: int,
                epoch_len: int) -> tuple[Any, Any]:
-    from ray_checkfreq.chaos.holds import holding_filesystem
     from ray_checkfreq.data import resumable
     from ray_checkfreq.ray import CheckFreq, RayConfig
-    from ray_checkfreq.storage import CheckpointStore
 
     data = resumable(samples, global_batch_size=global_batch, seed=1)
-    store = CheckpointStore(config["store_dir"], filesystem=holding_filesystem(config["control_dir"]))
+    store = _store(config)
     ray_config = RayConfig(restart_wait_s=config.get("restart_wait_s", 5.0),
                            watch_preemption=config.get("notices", True), registration=None, metrics_every_s=None)
     cf = CheckFreq(model=model, optimizer=optimizer, data=data, storage=store, every=config["every"],
-                   epoch_len=epoch_len, compress=False, ray_config=ray_config)
+                   epoch_len=epoch_len, compress=config.get("compress", False), ray_config=ray_config)
     return cf, data
+
+
+def _store(config: dict) -> Any:
+    from ray_checkfreq.chaos.holds import holding_filesystem
+    from ray_checkfreq.storage import CheckpointStore, S3Options
+
+    if config.get("store_uri"):
+        return CheckpointStore(config["store_uri"], s3=S3Options(endpoint_url=config.get("s3_endpoint")))
+    return CheckpointStore(config["store_dir"], filesystem=holding_filesystem(config["control_dir"]))
 
 
 def _train_loop(config: dict, cf: Any, data: Any, model: Any, optimizer: Any, images: torch.Tensor,
@@ -122,6 +135,8 @@ def _train_loop(config: dict, cf: Any, data: Any, model: Any, optimizer: Any, im
             iteration = cf.iteration + 1
             log("batch", iteration=iteration, epoch=(iteration - 1) // epoch_len, ids=ids.tolist())
             cf.step()
+            if config.get("log_stats") and log.rank == 0 and cf.iteration % config["every"] == 0:
+                log("stats", iteration=cf.iteration, stats=_plain(cf.engine.stats()))
             if config.get("sleep_s"):
                 time.sleep(config["sleep_s"])
             if cf.iteration >= total:

@@ -51,6 +51,10 @@ class ChaosConfig:
     (one checkpoint per epoch, notices ignored: the baseline of ``compare``).
     ``at``: the iterations of the "iterations" schedule (default: spread evenly).
     ``workers``: a count (fixed world size) or (min, max) (elastic).
+    ``compress``: the engine's (None: measured). ``s3_bucket`` (and ``s3_endpoint``):
+    checkpoints on S3, credentials from the AWS environment (commits are then not
+    followed, and the ``persist`` kind has no hold point). ``use_gpu``: workers on the
+    GPU. ``log_stats``: rank 0 logs the engine's figures every k iterations.
     """
 
     preemptions: int = 4
@@ -75,6 +79,11 @@ class ChaosConfig:
     compare_reference: bool = True
     tolerance: float = 1e-9
     progress: Callable[[str], None] | None = print
+    compress: bool | None = False
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
+    use_gpu: bool = False
+    log_stats: bool = False
 
     def __post_init__(self) -> None:
         schedules.parse_kinds(",".join(self.kinds))
@@ -95,6 +104,8 @@ class ChaosConfig:
         for name in ("replace_delay_s", "sleep_s", "notice_deadline_s", "hold_wait_s", "mtbp_s", "tolerance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
+        if self.s3_endpoint is not None and not self.s3_bucket:
+            raise ValueError(f"s3_endpoint={self.s3_endpoint!r}: needs s3_bucket")
         if self.at is not None and any(i < 1 or i > self.iterations for i in self.at):
             raise ValueError(f"at={self.at!r}: every iteration must be in [1, {self.iterations}]")
 
@@ -212,7 +223,15 @@ def _work_dir(config: ChaosConfig, name: str) -> str:
 def _job_config(config: ChaosConfig, work_dir: str, *, sleep_s: float) -> dict:
     return {"work_dir": os.path.join(work_dir, "logs"), "store_dir": os.path.join(work_dir, "store"),
             "control_dir": os.path.join(work_dir, "control"), "iterations": config.iterations,
-            "every": config.interval, "sleep_s": sleep_s, "notices": config.checkpoints == "checkfreq"}
+            "every": config.interval, "sleep_s": sleep_s, "notices": config.checkpoints == "checkfreq",
+            "compress": config.compress, "log_stats": config.log_stats, **_s3_store(config, work_dir)}
+
+
+def _s3_store(config: ChaosConfig, work_dir: str) -> dict:
+    """With ``s3_bucket``: checkpoints go to s3://bucket/<run>; commits are then not followed."""
+    if not config.s3_bucket:
+        return {}
+    return {"store_uri": f"s3://{config.s3_bucket}/{os.path.basename(work_dir)}", "s3_endpoint": config.s3_endpoint}
 
 
 def _fit(config: ChaosConfig, work_dir: str, *, workers: Any, sleep_s: float, max_failures: int) -> Exception | None:
@@ -224,7 +243,8 @@ def _fit(config: ChaosConfig, work_dir: str, *, workers: Any, sleep_s: float, ma
     trainer = TorchTrainer(
         chaos_job.train,
         train_loop_config=_job_config(config, work_dir, sleep_s=sleep_s),
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=config.use_gpu,
+                                     resources_per_worker=_worker_resources(config)),
         run_config=RunConfig(name=os.path.basename(work_dir), storage_path=os.path.join(work_dir, "results"),
                              failure_config=FailureConfig(max_failures=max_failures),
                              callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
@@ -236,11 +256,17 @@ def _fit(config: ChaosConfig, work_dir: str, *, workers: Any, sleep_s: float, ma
         return err
 
 
+def _worker_resources(config: ChaosConfig) -> dict:
+    # Half a GPU: the simulated nodes share the machine's GPU(s), each node may report it.
+    return {"CPU": 1, TRAIN_RESOURCE: 1, **({"GPU": 0.5} if config.use_gpu else {})}
+
+
 def _reference(cluster: LocalCluster, config: ChaosConfig) -> dict:
     """Final weights of the uninterrupted run at the full world size (cached by job settings)."""
     import torch
 
-    key = hashlib.blake2b(json.dumps([JOB_VERSION, config.iterations, config.world_range[1]]).encode(),
+    settings = [JOB_VERSION, config.iterations, config.world_range[1]] + (["gpu"] if config.use_gpu else [])
+    key = hashlib.blake2b(json.dumps(settings).encode(),
                           digest_size=8).hexdigest()
     cache_dir = config.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ray_checkfreq", "chaos")
     cached = os.path.join(cache_dir, f"reference-{key}.pt")
