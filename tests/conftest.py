@@ -19,7 +19,7 @@ def _free_port() -> int:
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                       "health_check_timeout_ms": 500}
 TRAIN_RESOURCE = "rcf_train"
-TRAIN_NODES = 6
+TRAIN_NODES = 5
 TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
@@ -53,7 +53,7 @@ def ray_cluster():
     })
     # Train workers' nodes (1 CPU each), all added now: adding nodes later in the run failed
     # ("Failed to connect to GCS ... Failed to find the key"; not root-caused). Tests only
-    # remove them: 6 cover every test's removals (see tests/test_ray_train.py).
+    # remove them: 5 cover every test's removals (see tests/test_ray_train.py).
     for _ in range(TRAIN_NODES):
         cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
     cluster.wait_for_nodes()
