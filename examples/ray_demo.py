@@ -76,11 +76,21 @@ def iterations_for(preemptions: int) -> int:
     return EPOCH_LEN * max(2, math.ceil((12 * preemptions + 20) / EPOCH_LEN))
 
 
+def preemption_iterations(preemptions: int, iterations: int) -> tuple[int, ...]:
+    """Evenly from iteration 6 to 24 before the end: room for a notice's deadline and a restart."""
+    first, last = EVERY + 2, iterations - 24
+    if preemptions <= 1:
+        return (first,) * preemptions
+    return tuple(round(first + n * (last - first) / (preemptions - 1)) for n in range(preemptions))
+
+
 def chaos_config(args: argparse.Namespace, work_dir: str) -> Any:
     from ray_checkfreq.chaos.runner import ChaosConfig
 
+    iterations = iterations_for(args.preemptions)
     return ChaosConfig(preemptions=args.preemptions, kinds=KINDS, nodes=NODES, workers=WORKERS, every=EVERY,
-                       iterations=iterations_for(args.preemptions), replace=True, work_dir=work_dir,
+                       iterations=iterations, at=preemption_iterations(args.preemptions, iterations) or None,
+                       replace=True, work_dir=work_dir,
                        cache_dir=args.cache_dir, tolerance=0.0, compress=None, s3_endpoint=args.s3_endpoint,
                        s3_bucket=args.s3_bucket, use_gpu=args.gpu, log_stats=True, progress=_progress)
 
