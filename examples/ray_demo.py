@@ -35,6 +35,7 @@ WORKERS = 2
 EVERY = 4
 EPOCH_LEN = 28  # 1792 digits in global batches of 64
 ALL_DIGITS = 1797
+SOURCES = {"slot": "a node's RAM copy", "storage": "storage", "none": "scratch", None: "-"}
 
 
 class FlagError(ValueError):
@@ -165,11 +166,15 @@ def table(summary: dict) -> list[str]:
         f"{'preemptions':<34} {len(summary['preemptions'])} (lost work bound 2k = {summary['lost_bound']})",
     ]
     for n, p in enumerate(summary["preemptions"], 1):
-        resumed = "no restart" if p["resumed_at"] is None else f"restart resumed at iteration {p['resumed_at']}"
-        lines.append(f"  {n}. {p['kind']:<7} at iteration {p['at_iteration']:>3}: {resumed} "
-                     f"(from {p['from'] or '-'}), lost {p['lost_iterations']} iterations")
+        if p["resumed_at"] is None:
+            lines.append(f"  {n}. {p['kind']:<7} fired at iteration {p['at_iteration']:>3}; no restart")
+            continue
+        reached = p["resumed_at"] + p["lost_iterations"]
+        lines.append(f"  {n}. {p['kind']:<7} fired at iteration {p['at_iteration']:>3}; training reached {reached:>3}; "
+                     f"the restart resumed at {p['resumed_at']:>3} (from {SOURCES.get(p['from'], p['from'])}); "
+                     f"lost {p['lost_iterations']}")
         if p["kind"] == "notice":
-            lines.append("     (training went on until the notice's deadline; the node left after a checkpoint)")
+            lines.append("     (a notice: training goes on until its deadline, the node leaves after a checkpoint)")
     accuracy = summary["accuracy"]
     lines.append(f"{'final accuracy':<34} " + ("-" if accuracy is None else
                  f"{100 * accuracy:.1f} % (training set: all {ALL_DIGITS} digit images; 1792 trained on)"))

@@ -31,8 +31,8 @@ def demo():
 def _report(*, identical: bool | None = True, commits: int = 16) -> dict:
     """The keys of a chaos report the demo reads (values as a 3-preemption run gives them)."""
     preemptions = [
-        {"kind": "worker", "iteration": 14, "restored_step": 12, "restored_from": "replica", "lost_iterations": 2},
-        {"kind": "node", "iteration": 25, "restored_step": 24, "restored_from": "replica", "lost_iterations": 1},
+        {"kind": "worker", "iteration": 14, "restored_step": 12, "restored_from": "slot", "lost_iterations": 2},
+        {"kind": "node", "iteration": 25, "restored_step": 24, "restored_from": "slot", "lost_iterations": 1},
         {"kind": "notice", "iteration": 37, "restored_step": 38, "restored_from": "storage", "lost_iterations": 0},
     ]
     return {"iterations": 56, "commits": commits, "k_max": 4, "lost_iterations_bound": 8,
@@ -53,9 +53,11 @@ def test_the_table_shows_each_figure_and_ends_with_the_verdict(demo):
     assert "2.1 %" in text and "0.93 (compressed)" in text and "compression (stored / state bytes)" in text
     assert "98.0 % (training set: all 1797 digit images" in text
     # the proof of the resume: the iteration each restart began at, and the work it lost
-    assert "worker  at iteration  14: restart resumed at iteration 12 (from replica), lost 2 iterations" in text
-    assert "node    at iteration  25: restart resumed at iteration 24" in text
-    assert "notice  at iteration  37: restart resumed at iteration 38 (from storage), lost 0 iterations" in text
+    assert ("worker  fired at iteration  14; training reached  14; the restart resumed at  12 "
+            "(from a node's RAM copy); lost 2") in text
+    assert "node    fired at iteration  25; training reached  25; the restart resumed at  24" in text
+    assert ("notice  fired at iteration  37; training reached  38; the restart resumed at  38 (from storage); "
+            "lost 0") in text
 
 
 def test_different_weights_print_no_and_exit_1(demo):
