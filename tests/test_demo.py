@@ -1,4 +1,4 @@
-"""The README's `make demo` job: SIGKILL, restart at the newest committed checkpoint, bit-identical end.
+"""The single-process demo (examples/demo.py): SIGKILL, restart at the newest committed checkpoint, bit-identical end.
 
 The demo runs here in its two stages so that the test can read the store between the
 kill and the restart, and hold the demo's printed resume iteration against it.
