@@ -35,6 +35,8 @@ WORKERS = 2
 EVERY = 4
 EPOCH_LEN = 28  # 1792 digits in global batches of 64
 ALL_DIGITS = 1797
+VERDICT_YES = "final weights identical to an uninterrupted run: yes"
+VERDICT_NO = "final weights identical to an uninterrupted run: no"
 SOURCES = {"slot": "a node's RAM copy", "storage": "storage", "none": "scratch", None: "-"}
 
 
@@ -178,7 +180,7 @@ def table(summary: dict) -> list[str]:
     accuracy = summary["accuracy"]
     lines.append(f"{'final accuracy':<34} " + ("-" if accuracy is None else
                  f"{100 * accuracy:.1f} % (training set: all {ALL_DIGITS} digit images; 1792 trained on)"))
-    lines.append(f"final weights identical to an uninterrupted run: {'yes' if summary['identical'] else 'no'}")
+    lines.append(VERDICT_YES if summary["identical"] else VERDICT_NO)
     return lines
 
 
@@ -218,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(work_dir, exist_ok=True)
     started = time.monotonic()
     config = chaos_config(args, work_dir)
-    result = runner.run_chaos(config)
+    try:
+        result = runner.run_chaos(config)
+    except Exception as err:  # the run could not be made at all (a store, a cluster): still a verdict
+        print(f"FAILED: the demo run did not complete: {err!r}\n{VERDICT_NO}", flush=True)
+        return 1
     stats = engine_figures(result["_events"])
     summary = summarize(result, stats, accuracy_of(os.path.join(result["work_dir"], "logs", "final.pt")))
     png = args.png or os.path.join(work_dir, "timeline.png")

@@ -142,3 +142,13 @@ def test_engine_figures_combine_every_attempt_not_just_the_last(demo):
     assert figures["checkpoints_committed"] == 14
     assert figures["compress"] is False
     assert demo.engine_figures([])["overhead_estimate"] is None
+
+
+def test_a_run_that_cannot_be_made_still_ends_with_no_and_exit_1(demo, capsys, monkeypatch, tmp_path):
+    def unreachable_store(config):
+        raise OSError("s3://demo: bucket not found")
+
+    monkeypatch.setattr("ray_checkfreq.chaos.runner.run_chaos", unreachable_store)
+    assert demo.main(["--work-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "bucket not found" in out and out.splitlines()[-1] == VERDICT_NO
