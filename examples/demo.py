@@ -8,7 +8,7 @@ resumes from the newest committed checkpoint at the exact next sample, and must 
 with weights bit-identical to an uninterrupted run, every sample used exactly once per
 epoch. It also checks that the restart began at the newest checkpoint the store had
 committed (not at 0), ran only the remaining iterations and lost at most 2k; it exits 1
-naming what failed. (The Ray Train version of this job lands with the Ray integration issue.)
+naming what failed. (The Ray Train version, with preemptions injected, is `examples/ray_demo.py`: `make demo`.)
 """
 
 from __future__ import annotations
