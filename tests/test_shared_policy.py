@@ -196,7 +196,8 @@ def test_policy_link_round_trip_through_the_actor(ray_session):
         assert shutdown_policy(run)
 
 
-def _poll_until(link, done, timeout_s: float = 30.0) -> dict:
+def _poll_until(link, done, timeout_s: float = 120.0) -> dict:
+    """The actor's process imports torch (the engine's adaptive rate): slow on a loaded machine."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         decision = link.poll()
@@ -220,7 +221,7 @@ def test_a_lost_policy_actor_is_replaced_and_gets_the_proposal_again(ray_session
         assert _poll_until(link, lambda d: d["k"] == 6)["generation"] == 2
         first = find_policy(run)
         ray.kill(first)
-        decision = _poll_until(link, lambda d: d["k"] == 6 and d["version"] == 1, timeout_s=60)
+        decision = _poll_until(link, lambda d: d["k"] == 6 and d["version"] == 1)
         assert decision["generation"] == 2  # the new actor got rank 0's proposal again
         assert find_policy(run)._actor_id != first._actor_id
     finally:

@@ -31,6 +31,9 @@ from ray_checkfreq.ray.shared_policy import IterationReport, PersistReport, Shar
 logger = logging.getLogger("ray_checkfreq.ray")
 
 
+MAX_UNSENT_ROWS = 4096  # iterations a rank keeps while the policy actor is not found yet
+
+
 def policy_name(run: str) -> str:
     return f"rcf-policy:{run}"
 
@@ -155,13 +158,14 @@ class PolicyLink:
 
     def send(self, now: float | None = None) -> None:
         self._sent_s = now if now is not None else time.monotonic()
-        rows, self._rows = self._rows, []
-        if not rows or self.generation is None:
+        if not self._rows or self.generation is None:
             return
         if self._handle is None:
             self._handle = find_policy(self.run)  # rank 0 may create it after this rank started
             if self._handle is None:
+                del self._rows[:-MAX_UNSENT_ROWS]  # kept for the actor, bounded
                 return
+        rows, self._rows = self._rows, []
         self._handle.record_iterations.remote(self.generation, self.rank, rows)  # not awaited
 
     # ------------------------------------------------------- rank 0: decisions
