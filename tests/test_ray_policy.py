@@ -5,6 +5,7 @@ and k falls again after the delay ends."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -12,6 +13,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+from test_shared_policy import TI, iterations
 
 pytestmark = pytest.mark.chaos
 
@@ -103,3 +105,63 @@ def test_slow_store_writes_raise_k_for_every_rank_at_once_and_k_falls_after(two_
     assert peak > switch.k_before, (switch.k_before, changes)
     after = [k for iteration, k in changes if iteration > switch.off_at]
     assert after and min(after) < peak, (switch.off_at, changes)
+
+
+# ------------------------------------------------------- the actor, on the session cluster
+# Here, in a module that runs first: late in a full suite run the policy actor of these two
+# tests never answered (not root-caused; alone, and after the Ray Data tests, they pass).
+def test_policy_link_round_trip_through_the_actor(ray_session):
+    from ray_checkfreq.ray.agent import run_key
+    from ray_checkfreq.ray.policy_actor import PolicyLink, find_policy, shutdown_policy
+
+    run = run_key(f"policy-{time.time_ns()}")
+    rank0 = PolicyLink(run, rank=0, lease_s=60, batch_iters=8, poll_s=0.0)
+    rank1 = PolicyLink(run, rank=1, lease_s=60, batch_iters=8)
+    try:
+        for link in (rank0, rank1):
+            link.generation = 5
+        rank0.start(world_size=2, k=4, k_floor=2, iter_s=TI, overhead=0.05,
+                    adaptive={"window_iters": 10, "min_checkpoints_per_window": 1, "patience": 1})
+        for row in iterations(1, 40):
+            rank0.observe(row.iteration, row.iter_s, row.stall_s, row.busy)
+        for row in iterations(1, 40, stall_s=0.1):
+            rank1.observe(row.iteration, row.iter_s, row.stall_s, row.busy)
+        handle = find_policy(run)
+        handle.record_persist.remote(5, {"step": 40, "seconds": 0.9, "cpu_s": 0.2, "stored_bytes": 10})
+        decision = _poll_until(rank0, lambda d: d["iterations_aggregated"] == 40 and d["persist_s"])
+        assert decision["generation"] == 5 and decision["k"] >= math.ceil(1.25 * 0.9 / TI)
+        assert decision["k"] > 4 and decision["version"] >= 2
+    finally:
+        assert shutdown_policy(run)
+
+
+def _poll_until(link, done, timeout_s: float = 120.0) -> dict:
+    """The actor's process imports torch (the engine's adaptive rate): slow on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        decision = link.poll()
+        if decision is not None and done(decision):
+            return decision
+        time.sleep(0.05)
+    raise AssertionError("the policy actor never answered as expected")
+
+
+def test_a_lost_policy_actor_is_replaced_and_gets_the_proposal_again(ray_session):
+    import ray
+
+    from ray_checkfreq.ray.agent import run_key
+    from ray_checkfreq.ray.policy_actor import PolicyLink, find_policy, shutdown_policy
+
+    run = run_key(f"policy-lost-{time.time_ns()}")
+    link = PolicyLink(run, rank=0, lease_s=60, poll_s=0.0)
+    try:
+        link.generation = 2
+        link.start(world_size=1, k=6, k_floor=3, iter_s=TI, overhead=0.05, adaptive={})
+        assert _poll_until(link, lambda d: d["k"] == 6)["generation"] == 2
+        first = find_policy(run)
+        ray.kill(first)
+        decision = _poll_until(link, lambda d: d["k"] == 6 and d["version"] == 1)
+        assert decision["generation"] == 2  # the new actor got rank 0's proposal again
+        assert find_policy(run)._actor_id != first._actor_id
+    finally:
+        shutdown_policy(run)
