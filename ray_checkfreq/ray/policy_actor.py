@@ -185,10 +185,11 @@ class PolicyLink:
             self._reconnect()
             return None
         now = time.monotonic()
+        if now - self._polled_s < self._poll_s:  # the per-iteration path: at most one Ray call per poll_s
+            return None
+        self._polled_s = now
         if self._pending is None:
-            if now - self._polled_s >= self._poll_s:
-                self._polled_s = now
-                self._pending = self._handle.decision.remote()
+            self._pending = self._handle.decision.remote()
             return None
         ready, _ = ray.wait([self._pending], timeout=0)
         if not ready:
