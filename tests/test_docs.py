@@ -1,5 +1,6 @@
-"""docs/ and cluster/README.md stay true to the repository: every file they name exists
-in it, nothing points outside it, and the defaults they quote are the code's."""
+"""README.md, docs/ and cluster/README.md stay true to the repository: every file they name
+exists in it, every relative link resolves, nothing points outside it, and the defaults
+they quote are the code's."""
 
 from __future__ import annotations
 
@@ -32,6 +33,41 @@ def test_every_file_a_doc_names_exists(doc: Path) -> None:
 
 def test_a_renamed_module_is_caught() -> None:
     assert missing_files("see `engine/policy.py` and `engine/polcy.py`") == ["engine/polcy.py"]
+
+
+# In the README a file is named by its path from the repository root.
+REPO_PATH = re.compile(r"`([A-Za-z0-9_.-]+/[A-Za-z0-9_./-]*\.(?:py|md|yaml|sh|c|png|json|toml))`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def missing_repo_paths(text: str) -> list[str]:
+    return sorted(name for name in set(REPO_PATH.findall(text)) if not (ROOT / name).exists())
+
+
+def broken_links(doc: Path) -> list[str]:
+    targets = [t.split("#")[0] for t in LINK.findall(doc.read_text()) if not t.startswith(("http:", "https:", "#"))]
+    return sorted(t for t in targets if not (doc.parent / t).resolve().exists())
+
+
+def test_every_file_the_readme_names_exists() -> None:
+    assert missing_repo_paths((ROOT / "README.md").read_text()) == []
+
+
+def test_a_moved_file_in_the_readme_is_caught() -> None:
+    assert missing_repo_paths("`examples/demo.py`, `docs/img/demo-timeline.png`, `examples/dmeo.py`") == [
+        "examples/dmeo.py"]
+
+
+@pytest.mark.parametrize("doc", DOCS + [ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc: Path) -> None:
+    assert broken_links(doc) == []
+
+
+def test_a_broken_link_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "there.md").write_text("x")
+    doc = tmp_path / "doc.md"
+    doc.write_text("[a](there.md) [b](there.md#part) [c](gone.md) [d](https://example.org/x)")
+    assert broken_links(doc) == ["gone.md"]
 
 
 @pytest.mark.parametrize("doc", DOCS + [ROOT / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
