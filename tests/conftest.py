@@ -23,6 +23,8 @@ TRAIN_NODES = 5
 TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
+    # The controller polls its workers this often: it sees an ended or dead worker sooner.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_DEDUP_LOGS": "0",
 }
 

@@ -24,11 +24,9 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     """The first 1792 digits: every global batch is full. A last partial batch would be
     split unevenly across ranks, and a per-rank mean loss then weighs its samples by the
     world size, so a run resized before it could not follow the fixed run."""
-    from sklearn.datasets import load_digits
+    from ray_checkfreq.chaos.job import digits as first_digits
 
-    data = load_digits()
-    images = torch.tensor(data.images[:1792], dtype=torch.float64).unsqueeze(1) / 16.0
-    return images, torch.tensor(data.target[:1792], dtype=torch.int64)
+    return first_digits(1792)
 
 
 def small_cnn() -> torch.nn.Module:
@@ -55,7 +53,7 @@ def once(work_dir: str, name: str) -> bool:
 
 def log(work_dir: str, rank: int, **event: Any) -> None:
     with open(os.path.join(work_dir, f"log-{rank}.jsonl"), "a") as out:
-        out.write(json.dumps(event) + "\n")
+        out.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
         out.flush()
 
 

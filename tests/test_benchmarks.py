@@ -36,7 +36,7 @@ def test_bench_overhead(tmp_path):
                  "--phase-iters", "12", "--width", "64", "--block", "10", "--slow-s", "0.02",
                  "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert figures["first"]["checkpoints"] >= 1 and figures["first"]["first_iterations"] >= 30
+    assert figures["first"]["checkpoints"] >= 1 and figures["first"]["first_iterations"] >= 20
     assert figures["every"]["checkpoints"] >= 1 and "overhead_torch_save" in figures["every"]
     assert len(figures["adaptive"]["overhead_per_phase"]) == 3
 

@@ -283,3 +283,15 @@ def test_after_an_agent_kill_the_same_attempt_training_on_is_enough(tmp_path):
     injector._last_kill_t, injector._restart_after, injector._resumed_t = 4.5, None, None
     injector._absorb(_batches(1, range(4, 6), 5.0))
     assert injector._due(drawn[1])
+
+
+def test_the_jobs_digits_are_scikit_learns_first_samples():
+    import torch
+    from sklearn.datasets import load_digits
+
+    from ray_checkfreq.chaos.job import digits
+
+    images, labels = digits(1792)
+    expected = load_digits()
+    assert torch.equal(images, torch.tensor(expected.images[:1792], dtype=torch.float64).unsqueeze(1) / 16.0)
+    assert torch.equal(labels, torch.tensor(expected.target[:1792], dtype=torch.int64))

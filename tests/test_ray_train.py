@@ -32,11 +32,11 @@ def train_nodes(ray_cluster):
     yield ray_cluster
 
 
-def require_train_nodes(cluster, count: int, *, exactly: bool = False) -> None:
+def require_train_nodes(cluster, count: int) -> None:
     """Tests only remove nodes (adding one late in a run failed): the order of the tests
     below spends the session's 5 nodes, the drain and node-loss tests one each."""
     have = len(cluster.worker_nodes)
-    assert have == count if exactly else have >= count, f"{have} Train nodes, this test needs {count}"
+    assert have >= count, f"{have} Train nodes, this test needs {count}"
 
 
 def fit(tmp_path, name: str, *, workers: int | tuple[int, int] = 2, max_failures: int = 2,
@@ -343,23 +343,3 @@ def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_n
     reached = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
     assert 20 <= second["iteration"] <= reached and second["restore"]["committed_step"] < second["iteration"]
     assert_same_weights(final_weights(work_dir), reference)
-
-
-def test_elastic_run_losing_a_node_goes_on_at_one_worker_with_every_sample_once(reference, train_nodes, tmp_path):
-    require_train_nodes(train_nodes, 2, exactly=True)  # losing one leaves one worker
-    work = tmp_path / "elastic"
-    os.makedirs(work)
-    removed: dict = {}
-    remove = remover(train_nodes, removed)
-    killer = when_rank_reaches(str(work), 1, 14, remove)
-    result, work_dir = fit(tmp_path, "elastic", workers=(1, 2), sleep_s=0.2)
-    killer.join(timeout=5)
-    assert not isinstance(result, Exception) and removed, result
-    starts = events(work_dir, 0, "start")
-    assert [s["world_size"] for s in starts] == [2, 1]
-    assert 12 <= starts[1]["iteration"] <= 16
-    batches = kept_batches(work_dir, ranks=2)
-    epoch0 = sorted(i for b in batches if b["epoch"] == 0 for i in b["ids"])
-    assert epoch0 == list(range(SAMPLES))
-    for key, value in final_weights(work_dir).items():
-        torch.testing.assert_close(value, reference[key], rtol=1e-9, atol=1e-9)

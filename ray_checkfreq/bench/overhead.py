@@ -111,12 +111,16 @@ class Trainer:
         return time.perf_counter() - start
 
     def run_until_idle(self, iterations: int) -> tuple[int, float]:
-        """At least ``iterations``, then on until no checkpoint is in flight."""
+        """At least ``iterations``, then on until no checkpoint is in flight, so that the
+        block pays for the persist it started. Where persists take longer than k iterations
+        there is always one in flight: after ``iterations`` more the block waits for it."""
         start = time.perf_counter()
         done = 0
-        while done < iterations or (self.cf is not None and self.cf.in_flight):
+        while done < iterations or (self.cf is not None and self.cf.in_flight and done < 2 * iterations):
             self.step()
             done += 1
+        if self.cf is not None:
+            self.cf.flush()
         return done, time.perf_counter() - start
 
 
