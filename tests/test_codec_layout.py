@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ray_checkfreq import codec
 from ray_checkfreq.codec import blob as blobfmt
-from ray_checkfreq.codec import grouping, layout, planar
+from ray_checkfreq.codec import grouping, huffman, layout, planar
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -129,18 +129,25 @@ def test_exponent_offset_keeps_the_top_exponent_bits_constant_across_binades():
 
 
 def test_numpy_fallback_writes_and_reads_the_same_blobs(monkeypatch):
+    # Without the kernels nothing is Huffman-coded (huffman.py has no numpy encoder), so
+    # the blobs match once the kernels' encoder is kept from it too; the fallback still
+    # decodes the Huffman-coded blobs (by the format's reference decoder).
     g = torch.Generator().manual_seed(2)
     tensors = [torch.randn(70_001, generator=g), torch.randn(50_003, generator=g).bfloat16(),
                torch.randn(30_001, generator=g).half(), torch.randn(9_999, generator=g).double()]
     config = codec.CodecConfig(frame_bytes=1 << 16)
+    with_huffman = [codec.encode(t, config=config) for t in tensors]
+    assert [b[4] for b in with_huffman] == [5, 5, 3, 3]
+    monkeypatch.setattr(huffman, "MIN_BYTES", 1 << 62)
     fast = [codec.encode(t, config=config) for t in tensors]
     monkeypatch.setattr(layout, "_kernels", None)
     monkeypatch.setattr(layout, "_warned", False)
     with pytest.warns(RuntimeWarning, match="numpy fallback"):
         slow = [codec.encode(t, config=config) for t in tensors]
     assert slow == fast
-    for t, blob in zip(tensors, fast, strict=True):
+    for t, blob, huffman_blob in zip(tensors, fast, with_huffman, strict=True):
         assert raw(codec.decode(blob)) == raw(t)
+        assert raw(codec.decode(huffman_blob)) == raw(t)
 
 
 # Written by the version 2 encoder (sign bit rotated next to the mantissa): float32

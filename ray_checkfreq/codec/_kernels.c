@@ -628,24 +628,14 @@ CLMUL static inline __m128i fold(__m128i acc, __m128i k, __m128i next) {
                                        _mm_clmulepi64_si128(acc, k, 0x11)), next);
 }
 
-/* len >= 64 and a multiple of 16. */
-CLMUL static uint32_t crc_clmul(uint32_t state, const uint8_t *buf, size_t len) {
-    const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+/* Folds the 16-byte blocks of buf (len a multiple of 16) into acc, then reduces it to
+ * the 32-bit state. */
+CLMUL static uint32_t crc_reduce(__m128i acc, const uint8_t *buf, size_t len) {
     const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
     const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124);
     const __m128i poly = _mm_set_epi64x(0x1f7011641, 0x1db710641);
     const __m128i low32 = _mm_setr_epi32(-1, 0, -1, 0);
-    __m128i x[4];
-    for (int j = 0; j < 4; j++)
-        x[j] = _mm_loadu_si128((const __m128i *)(buf + 16 * j));
-    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)state));
-    size_t pos = 64;
-    for (; pos + 64 <= len; pos += 64)
-        for (int j = 0; j < 4; j++)
-            x[j] = fold(x[j], k1k2, _mm_loadu_si128((const __m128i *)(buf + pos + 16 * j)));
-    __m128i acc = x[0];
-    for (int j = 1; j < 4; j++)
-        acc = fold(acc, k3k4, x[j]);
+    size_t pos = 0;
     for (; pos + 16 <= len; pos += 16)
         acc = fold(acc, k3k4, _mm_loadu_si128((const __m128i *)(buf + pos)));
     /* 128 -> 64 bits */
@@ -658,6 +648,54 @@ CLMUL static uint32_t crc_clmul(uint32_t state, const uint8_t *buf, size_t len) 
     t = _mm_clmulepi64_si128(_mm_and_si128(t, low32), poly, 0x00);
     return (uint32_t)_mm_extract_epi32(_mm_xor_si128(acc, t), 1);
 }
+
+/* len >= 64 and a multiple of 16. */
+CLMUL static uint32_t crc_clmul(uint32_t state, const uint8_t *buf, size_t len) {
+    const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+    __m128i x[4];
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm_loadu_si128((const __m128i *)(buf + 16 * j));
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)state));
+    size_t pos = 64;
+    for (; pos + 64 <= len; pos += 64)
+        for (int j = 0; j < 4; j++)
+            x[j] = fold(x[j], k1k2, _mm_loadu_si128((const __m128i *)(buf + pos + 16 * j)));
+    __m128i acc = x[0];
+    for (int j = 1; j < 4; j++)
+        acc = fold(acc, k3k4, x[j]);
+    return crc_reduce(acc, buf + pos, len - pos);
+}
+
+/* The same fold, 8 lanes of 128 bits at a time with 256-bit carry-less multiplies
+ * (VPCLMULQDQ), 1024 bits forward per step; the lanes are then folded into one in order
+ * as above. Constants: x^(1024+32) and x^(1024-32) mod P, bit-reflected, shifted by 1
+ * (computed the way the 512-bit ones above are). len >= 128 and a multiple of 16. */
+static int use_vpclmul;
+#define VPCLMUL __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
+
+VPCLMUL static uint32_t crc_vpclmul(uint32_t state, const uint8_t *buf, size_t len) {
+    const __m256i k8 = _mm256_set_epi64x(0x14a7fe880, 0x1e88ef372, 0x14a7fe880, 0x1e88ef372);
+    const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+    __m256i x[4];
+    for (int j = 0; j < 4; j++)
+        x[j] = _mm256_loadu_si256((const __m256i *)(buf + 32 * j));
+    x[0] = _mm256_xor_si256(x[0], _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)state)));
+    size_t pos = 128;
+    for (; pos + 128 <= len; pos += 128)
+        for (int j = 0; j < 4; j++)
+            x[j] = _mm256_xor_si256(
+                _mm256_xor_si256(_mm256_clmulepi64_epi128(x[j], k8, 0x00),
+                                 _mm256_clmulepi64_epi128(x[j], k8, 0x11)),
+                _mm256_loadu_si256((const __m256i *)(buf + pos + 32 * j)));
+    __m128i acc = _mm256_castsi256_si128(x[0]);
+    acc = fold(acc, k3k4, _mm256_extracti128_si256(x[0], 1));
+    for (int j = 1; j < 4; j++) {
+        acc = fold(acc, k3k4, _mm256_castsi256_si128(x[j]));
+        acc = fold(acc, k3k4, _mm256_extracti128_si256(x[j], 1));
+    }
+    return crc_reduce(acc, buf + pos, len - pos);
+}
 #endif
 
 static uint32_t crc32_update(uint32_t crc, const uint8_t *buf, size_t len) {
@@ -665,7 +703,8 @@ static uint32_t crc32_update(uint32_t crc, const uint8_t *buf, size_t len) {
 #ifdef HAVE_AVX2_DISPATCH
     if (use_clmul && len >= 64) {
         size_t bulk = len & ~(size_t)15;
-        state = crc_clmul(state, buf, bulk);
+        state = use_vpclmul && bulk >= 128 ? crc_vpclmul(state, buf, bulk)
+                                           : crc_clmul(state, buf, bulk);
         buf += bulk;
         len -= bulk;
     }
@@ -684,6 +723,412 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     return PyLong_FromUnsignedLong(crc);
+}
+
+/* ---- Huffman coding of one byte stream (the planar split's exponent stream T) ----
+ * Stored form: table log L (1 byte, <= HUF_MAX_BITS) | 256 code lengths, 4 bits each,
+ * symbol 2i in the low nibble of byte i (0: absent) | byte length of each of HUF_LANES
+ * bit streams (u32 LE each) | the bit streams. Lane j codes the symbols [n*j/4, n*(j+1)/4)
+ * of the stream, least significant bit first; codes are canonical (shorter codes first,
+ * then by symbol), stored bit-reversed so that the decoder indexes its table with the
+ * next L bits as they come. The code is complete (Kraft sum exactly 1).
+ *
+ * Why not zstd's Huffman literals: its decoder here emits one symbol per table lookup
+ * from 4 streams at ~1.1 GB/s, the largest cost of decode. This decoder looks up L = 12
+ * bits at a time and emits every whole code they hold (up to 3; ~2.6 for the exponent
+ * streams of trained weights), from 4 independent lanes. */
+
+#define HUF_MAX_BITS 12
+#define HUF_LANES 4
+#define HUF_HEADER (1 + 128 + 4 * HUF_LANES)
+
+static inline uint64_t load64le(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Code lengths of a Huffman code for `freq` (symbols with freq 0 get 0), at most
+ * HUF_MAX_BITS bits: lengths are computed unbounded, the levels deeper than the limit
+ * are folded into it, and the Kraft sum is restored by lengthening the codes of the
+ * deepest level that has room, one at a time; lengths are then handed out again in
+ * order of frequency. At least two symbols get a code (a lone symbol gets a partner). */
+static void huf_lengths(const uint64_t *freq, uint8_t *len) {
+    int sym[256], m = 0;
+    memset(len, 0, 256);
+    for (int s = 0; s < 256; s++)
+        if (freq[s])
+            sym[m++] = s;
+    if (m == 0)
+        sym[m++] = 0;
+    if (m == 1) {
+        len[sym[0]] = len[(sym[0] + 1) & 255] = 1;
+        return;
+    }
+    /* sort by frequency, ascending (insertion sort: at most 256 symbols) */
+    for (int i = 1; i < m; i++) {
+        int s = sym[i], j = i;
+        while (j > 0 && freq[sym[j - 1]] > freq[s]) {
+            sym[j] = sym[j - 1];
+            j--;
+        }
+        sym[j] = s;
+    }
+    /* two-queue construction: leaves 0..m-1, internal nodes m..2m-2 in creation order */
+    uint64_t w[512];
+    int parent[512];
+    for (int i = 0; i < m; i++)
+        w[i] = freq[sym[i]];
+    int leaf = 0, node = m, next = m;
+    for (; next < 2 * m - 1; next++) {
+        int pick[2];
+        for (int k = 0; k < 2; k++) {
+            if (leaf < m && (node >= next || w[leaf] <= w[node]))
+                pick[k] = leaf++;
+            else
+                pick[k] = node++;
+        }
+        w[next] = w[pick[0]] + w[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = next;
+    }
+    int depth[512], count[256] = {0};
+    depth[2 * m - 2] = 0;
+    for (int i = 2 * m - 3; i >= 0; i--)
+        depth[i] = depth[parent[i]] + 1;
+    for (int i = 0; i < m; i++)
+        count[depth[i] < HUF_MAX_BITS ? depth[i] : HUF_MAX_BITS]++;
+    uint32_t kraft = 0;
+    for (int l = 1; l <= HUF_MAX_BITS; l++)
+        kraft += (uint32_t)count[l] << (HUF_MAX_BITS - l);
+    while (kraft > (1u << HUF_MAX_BITS)) {
+        /* move one code from the deepest level to the next below a shallower code */
+        count[HUF_MAX_BITS]--;
+        for (int l = HUF_MAX_BITS - 1; l > 0; l--) {
+            if (count[l]) {
+                count[l]--;
+                count[l + 1] += 2;
+                break;
+            }
+        }
+        kraft--;
+    }
+    /* longest codes to the least frequent symbols */
+    int i = 0;
+    for (int l = HUF_MAX_BITS; l >= 1; l--)
+        for (int c = 0; c < count[l]; c++)
+            len[sym[i++]] = (uint8_t)l;
+}
+
+/* Canonical codes, bit-reversed (first bit in the least significant place). Returns 0,
+ * or -1 when the lengths do not form a complete code of at most HUF_MAX_BITS bits. */
+static int huf_codes(const uint8_t *len, uint16_t *code) {
+    int count[HUF_MAX_BITS + 1] = {0};
+    for (int s = 0; s < 256; s++) {
+        if (len[s] > HUF_MAX_BITS)
+            return -1;
+        count[len[s]]++;
+    }
+    count[0] = 0;
+    uint32_t kraft = 0, next[HUF_MAX_BITS + 2], c = 0;
+    for (int l = 1; l <= HUF_MAX_BITS; l++) {
+        kraft += (uint32_t)count[l] << (HUF_MAX_BITS - l);
+        c = (c + (l > 1 ? (uint32_t)count[l - 1] : 0)) << (l > 1 ? 1 : 0);
+        next[l] = c;
+    }
+    if (kraft != (1u << HUF_MAX_BITS))
+        return -1;
+    for (int s = 0; s < 256; s++) {
+        int l = len[s];
+        if (!l) {
+            code[s] = 0;
+            continue;
+        }
+        uint32_t v = next[l]++, r = 0;
+        for (int b = 0; b < l; b++)
+            r |= ((v >> b) & 1u) << (l - 1 - b);
+        code[s] = (uint16_t)r;
+    }
+    return 0;
+}
+
+static void huf_histogram(const uint8_t *src, Py_ssize_t n, uint64_t *freq) {
+    uint32_t h[4][256] = {{0}};
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        h[0][src[i]]++;
+        h[1][src[i + 1]]++;
+        h[2][src[i + 2]]++;
+        h[3][src[i + 3]]++;
+        if (((i + 4) & 0x3FFFFFF) == 0) /* keep the 32-bit counts from overflowing */
+            for (int s = 0; s < 256; s++) {
+                freq[s] += (uint64_t)h[0][s] + h[1][s] + h[2][s] + h[3][s];
+                h[0][s] = h[1][s] = h[2][s] = h[3][s] = 0;
+            }
+    }
+    for (; i < n; i++)
+        h[0][src[i]]++;
+    for (int s = 0; s < 256; s++)
+        freq[s] += (uint64_t)h[0][s] + h[1][s] + h[2][s] + h[3][s];
+}
+
+static Py_ssize_t huf_bound(Py_ssize_t n) {
+    return HUF_HEADER + (n * HUF_MAX_BITS + 7) / 8 + 8 * HUF_LANES;
+}
+
+/* Writes the coded stream to `out` (huf_bound(n) bytes); returns its length. The bit
+ * writer stores 8 bytes after every 4 symbols (<= 48 bits, on top of < 8 pending) and
+ * advances by the whole bytes written, without branches. */
+static Py_ssize_t huf_encode(const uint8_t *src, Py_ssize_t n, const uint8_t *len,
+                             uint8_t *out) {
+    uint16_t code[256];
+    uint32_t cl[256]; /* code | length << 16 */
+    huf_codes(len, code);
+    for (int s = 0; s < 256; s++)
+        cl[s] = code[s] | (uint32_t)len[s] << 16;
+    out[0] = HUF_MAX_BITS;
+    for (int i = 0; i < 128; i++)
+        out[1 + i] = (uint8_t)(len[2 * i] | (len[2 * i + 1] << 4));
+    uint8_t *dst = out + HUF_HEADER;
+    for (int j = 0; j < HUF_LANES; j++) {
+        Py_ssize_t i = n * j / HUF_LANES, hi = n * (j + 1) / HUF_LANES;
+        uint8_t *start = dst;
+        uint64_t acc = 0;
+        unsigned bits = 0;
+#define HUF_PUT(s)                                                                       \
+        do {                                                                             \
+            uint32_t c_ = cl[s];                                                         \
+            acc |= (uint64_t)(c_ & 0xFFFF) << bits;                                      \
+            bits += c_ >> 16;                                                            \
+        } while (0)
+        for (; i + 4 <= hi; i += 4) {
+            HUF_PUT(src[i]);
+            HUF_PUT(src[i + 1]);
+            HUF_PUT(src[i + 2]);
+            HUF_PUT(src[i + 3]);
+            memcpy(dst, &acc, 8);
+            dst += bits >> 3;
+            acc >>= bits & ~7u; /* bits <= 55 */
+            bits &= 7;
+        }
+        for (; i < hi; i++)
+            HUF_PUT(src[i]);
+#undef HUF_PUT
+        memcpy(dst, &acc, 8);
+        dst += (bits + 7) >> 3;
+        uint32_t lane_len = (uint32_t)(dst - start);
+        memcpy(out + 1 + 128 + 4 * j, &lane_len, 4);
+    }
+    return dst - out;
+}
+
+/* Decoding table, for every value of the next HUF_MAX_BITS bits: up to 3 symbols (bits
+ * 0-23, stored as they are), bits consumed (24-29), number of symbols (30-31). A shift by
+ * entry >> 24 consumes the bits (shifts use only the low 6 bits of their count). */
+static void huf_table(const uint8_t *len, const uint16_t *code, uint32_t *table) {
+    uint16_t single[1 << HUF_MAX_BITS]; /* symbol | length << 8 */
+    for (int s = 0; s < 256; s++)
+        if (len[s])
+            for (uint32_t i = code[s]; i < (1u << HUF_MAX_BITS); i += 1u << len[s])
+                single[i] = (uint16_t)(s | len[s] << 8);
+    for (uint32_t i = 0; i < (1u << HUF_MAX_BITS); i++) {
+        uint32_t syms = 0, used = 0, nsym = 0, rest = i;
+        while (nsym < 3) {
+            uint32_t e = single[rest & ((1u << HUF_MAX_BITS) - 1)], l = e >> 8;
+            if (used + l > HUF_MAX_BITS)
+                break;
+            syms |= (e & 0xFFu) << (8 * nsym);
+            used += l;
+            rest >>= l;
+            nsym++;
+        }
+        table[i] = syms | used << 24 | nsym << 30;
+    }
+}
+
+#define HUF_MASK ((1u << HUF_MAX_BITS) - 1)
+#define HUF_SENTINEL ((uint64_t)1 << 57)
+/* One lookup: emit its symbols (a 4-byte store; the extra byte is overwritten next). */
+#define HUF_STEP(v, o)                                                                   \
+    do {                                                                                 \
+        uint32_t e_ = table[(v) & HUF_MASK];                                             \
+        memcpy(o, &e_, 4);                                                               \
+        o += e_ >> 30;                                                                   \
+        v >>= (e_ >> 24) & 63;                                                           \
+    } while (0)
+/* The next 57 bits of a lane with a 1 above them: after the lookups, the bits they
+ * consumed are 57 minus the position of that 1. */
+#define HUF_LOAD(u) ((load64le(src + ((u) >> 3)) >> ((u) & 7) & (HUF_SENTINEL - 1)) | HUF_SENTINEL)
+#define HUF_CONSUMED(v) (__builtin_clzll(v) - 6)
+
+/* Rounds that every lane can still run in the fast loop: a round reads 8 bytes at the
+ * lane's position (>= 57 fresh bits, of which 4 lookups use <= 48, so it moves <= 6
+ * bytes) and writes <= 4 * 3 symbols plus 1 byte of slack. `pos` is in bits from `src`. */
+static Py_ssize_t huf_safe_rounds(const Py_ssize_t *pos, const Py_ssize_t *lane_end,
+                                  uint8_t *const *o, uint8_t *const *end) {
+    Py_ssize_t rounds = PY_SSIZE_T_MAX;
+    for (int j = 0; j < HUF_LANES; j++) {
+        Py_ssize_t by_input = (lane_end[j] - 8 - (pos[j] >> 3)) / 6 + 1;
+        Py_ssize_t by_output = (end[j] - o[j] - 16) / 12 + 1;
+        if (lane_end[j] - 8 - (pos[j] >> 3) < 0 || end[j] - o[j] < 16)
+            return 0;
+        rounds = by_input < rounds ? by_input : rounds;
+        rounds = by_output < rounds ? by_output : rounds;
+    }
+    return rounds;
+}
+
+#define HUF_FAST(NAME, ATTR)                                                             \
+    ATTR static void NAME(const uint32_t *table, const uint8_t *src, Py_ssize_t *pos,    \
+                          uint8_t **o, Py_ssize_t rounds) {                              \
+        uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];                          \
+        Py_ssize_t u0 = pos[0], u1 = pos[1], u2 = pos[2], u3 = pos[3];                   \
+        for (Py_ssize_t r = 0; r < rounds; r++) {                                        \
+            uint64_t v0 = HUF_LOAD(u0), v1 = HUF_LOAD(u1), v2 = HUF_LOAD(u2),             \
+                     v3 = HUF_LOAD(u3);                                                  \
+            for (int k = 0; k < 4; k++) {                                                \
+                HUF_STEP(v0, o0);                                                        \
+                HUF_STEP(v1, o1);                                                        \
+                HUF_STEP(v2, o2);                                                        \
+                HUF_STEP(v3, o3);                                                        \
+            }                                                                            \
+            u0 += HUF_CONSUMED(v0), u1 += HUF_CONSUMED(v1);                              \
+            u2 += HUF_CONSUMED(v2), u3 += HUF_CONSUMED(v3);                              \
+        }                                                                                \
+        o[0] = o0, o[1] = o1, o[2] = o2, o[3] = o3;                                      \
+        pos[0] = u0, pos[1] = u1, pos[2] = u2, pos[3] = u3;                              \
+    }
+
+/* GCC's SLP vectorizer moves the 4 output pointers into vector registers (measured
+ * slower): keep them scalar. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define HUF_SCALAR __attribute__((optimize("no-tree-slp-vectorize")))
+#else
+#define HUF_SCALAR
+#endif
+HUF_FAST(huf_fast_plain, HUF_SCALAR)
+#ifdef HAVE_AVX2_DISPATCH
+static int use_bmi2;
+HUF_FAST(huf_fast_bmi2, HUF_SCALAR __attribute__((target("bmi2"))))
+#endif
+
+/* 0, or -1 if the stored stream is malformed. `out` receives exactly n bytes. */
+static int huf_decode(const uint8_t *src, Py_ssize_t src_len, uint8_t *out, Py_ssize_t n) {
+    if (src_len < HUF_HEADER || src[0] != HUF_MAX_BITS)
+        return -1;
+    uint8_t len[256];
+    uint16_t code[256];
+    for (int i = 0; i < 128; i++) {
+        len[2 * i] = src[1 + i] & 15;
+        len[2 * i + 1] = src[1 + i] >> 4;
+    }
+    if (huf_codes(len, code) < 0)
+        return -1;
+    uint32_t table[1 << HUF_MAX_BITS];
+    huf_table(len, code, table);
+    /* positions in bits from src; lane j spans bytes [lane_start[j], lane_end[j]) */
+    Py_ssize_t lane_start[HUF_LANES], lane_end[HUF_LANES], pos[HUF_LANES];
+    Py_ssize_t total = HUF_HEADER;
+    uint8_t *o[HUF_LANES], *end[HUF_LANES];
+    for (int j = 0; j < HUF_LANES; j++) {
+        uint32_t l;
+        memcpy(&l, src + 1 + 128 + 4 * j, 4);
+        lane_start[j] = total;
+        pos[j] = 8 * total;
+        total += l;
+        lane_end[j] = total;
+        o[j] = out + n * j / HUF_LANES;
+        end[j] = out + n * (j + 1) / HUF_LANES;
+        if (total > src_len)
+            return -1;
+    }
+    if (total != src_len)
+        return -1;
+    Py_ssize_t rounds;
+    while ((rounds = huf_safe_rounds(pos, lane_end, o, end)) > 0) {
+#ifdef HAVE_AVX2_DISPATCH
+        if (use_bmi2)
+            huf_fast_bmi2(table, src, pos, o, rounds);
+        else
+#endif
+            huf_fast_plain(table, src, pos, o, rounds);
+    }
+    /* the rest one symbol at a time, reading only inside the lane */
+    for (int j = 0; j < HUF_LANES; j++) {
+        uint8_t *p = o[j];
+        while (p < end[j]) {
+            Py_ssize_t byte = pos[j] >> 3;
+            if (byte >= lane_end[j])
+                return -1;
+            uint64_t v = 0;
+            Py_ssize_t have = lane_end[j] - byte < 8 ? lane_end[j] - byte : 8;
+            memcpy(&v, src + byte, (size_t)have);
+            v >>= pos[j] & 7;
+            uint32_t e = table[v & HUF_MASK];
+            *p++ = (uint8_t)e;
+            pos[j] += len[e & 0xFF];
+        }
+        /* every lane ends inside its last byte */
+        if ((pos[j] + 7) >> 3 != lane_end[j] || (lane_end[j] > lane_start[j]) != (pos[j] > 8 * lane_start[j]))
+            return -1;
+    }
+    return 0;
+}
+
+/* Whether the stream has runs (more than 1/64 of its 8-byte words repeat the one
+ * before): zero rows, untouched rows of optimizer state, XOR deltas. */
+static int huf_prefers_lz(const uint8_t *src, Py_ssize_t n) {
+    Py_ssize_t words = n / 8, repeats = 0;
+    for (Py_ssize_t i = 1; i < words; i++)
+        repeats += load64le(src + 8 * i) == load64le(src + 8 * (i - 1));
+    return repeats * 64 > words;
+}
+
+static PyObject *py_huf_encode(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*", &src))
+        return NULL;
+    Py_ssize_t n = src.len;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, huf_bound(n));
+    if (result == NULL) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t stored = -1;
+    Py_BEGIN_ALLOW_THREADS
+    if (!huf_prefers_lz((const uint8_t *)src.buf, n)) {
+        uint64_t freq[256] = {0};
+        uint8_t len[256];
+        huf_histogram((const uint8_t *)src.buf, n, freq);
+        huf_lengths(freq, len);
+        stored = huf_encode((const uint8_t *)src.buf, n, len,
+                            (uint8_t *)PyBytes_AS_STRING(result));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    if (stored < 0) { /* runs: zstd's matches beat any code of >= 1 bit per symbol */
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&result, stored) < 0)
+        return NULL;
+    return result;
+}
+
+static PyObject *py_huf_decode(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &out))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = huf_decode((const uint8_t *)src.buf, src.len, (uint8_t *)out.buf, out.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "huf_decode: malformed Huffman stream");
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* ---- Python bindings ---- */
@@ -874,6 +1319,10 @@ static PyMethodDef methods[] = {
      "group_split(src, width, rotation, out): byte grouping after rotating each element."},
     {"group_merge", py_group_merge, METH_VARARGS,
      "group_merge(streams, width, rotation, out): inverse of group_split."},
+    {"huf_encode", py_huf_encode, METH_VARARGS,
+     "huf_encode(src): src Huffman-coded (bytes), or None when it has runs (use zstd)."},
+    {"huf_decode", py_huf_decode, METH_VARARGS,
+     "huf_decode(stored, out): decode a huf_encode stream into out (len(out) symbols)."},
     {"crc32", py_crc32, METH_VARARGS,
      "crc32(data, value=0): zlib.crc32, with carry-less multiply where the CPU has it."},
     {NULL, NULL, 0, NULL},
@@ -889,6 +1338,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef HAVE_AVX2_DISPATCH
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
+    use_bmi2 = __builtin_cpu_supports("bmi2") && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
+    use_vpclmul = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx2")
+                  && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
     use_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1")
                 && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
 #endif

@@ -22,12 +22,17 @@ instead. Version 2 blobs set ``FLAG_ROTATE`` with ``FLAG_GROUPED`` for their own
 (:mod:`ray_checkfreq.codec.nearlossless`); ``FLAG_FACTOR_ROUNDED`` says the rounding was
 applied (every finite value lay in [-1, 1]), its absence that the tensor is stored exactly.
 Only such blobs are written as version 4; all others are still written as version 3, so a
-reader from before version 4 reads every blob it can represent.
+reader from before version 4 reads every blob it can represent. Version 5 has the layout
+of version 4 (``precision_factor_log2`` is 255 without a factor) and is written exactly
+when a stream is stored Huffman-coded (``METHOD_HUF``, :mod:`ray_checkfreq.codec.huffman`),
+which readers before it cannot decode.
 
 ``stored_crc`` is the crc32 of the frame's stored streams (what :func:`verify` checks),
 ``base_crc`` of the frame's bytes of the delta base. ``raw_crc`` depends on the version:
 
-- versions 2 and 3 (3 written now): every zstd stream carries zstd's own content checksum (XXH64,
+- version 5: as versions 2-4, and ``raw_crc`` also covers the stored bytes of the
+  Huffman-coded streams (with the raw ones, in stream order).
+- versions 2 to 4: every zstd stream carries zstd's own content checksum (XXH64,
   checked by zstd while it decompresses) and ``raw_crc`` is the crc32 of the streams
   stored raw, in order (0 when there are none). Every stored byte is thus covered by a
   content check, and decode never needs a second pass over the whole output.
@@ -46,7 +51,8 @@ from ray_checkfreq.codec.errors import CorruptBlobError
 MAGIC = b"RCFZ"
 VERSION = 3  # written for every blob without precision_factor
 VERSION_FACTOR = 4  # written for blobs encoded with precision_factor
-READABLE_VERSIONS = (1, 2, 3, 4)
+VERSION_HUF = 5  # written for blobs with a Huffman-coded stream (with or without a factor)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 FLAG_DELTA = 1  # stored bytes are x XOR base
 FLAG_ROTATE = 2  # versions 1-2: float sign bit moved next to the mantissa before grouping
@@ -56,7 +62,8 @@ FLAG_FACTOR_ROUNDED = 16  # version >= 4: values rounded to multiples of 2^-prec
 
 METHOD_RAW = 0
 METHOD_ZSTD = 1
-METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd"}
+METHOD_HUF = 2  # version >= 5: huffman.py's coding of one byte stream
+METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd", METHOD_HUF: "huffman"}
 NO_PRECISION = 255
 
 
@@ -83,7 +90,7 @@ class Header:
     frames: tuple[FrameEntry, ...]
     rotation: int = 0
     precision_factor_log2: int | None = None
-    version: int = VERSION  # pack() writes VERSION, or VERSION_FACTOR with precision_factor_log2
+    version: int = VERSION  # pack() writes the version that the header needs (_written_version)
 
     @property
     def factor_rounded(self) -> bool:
@@ -94,15 +101,23 @@ class Header:
         return bool(self.flags & FLAG_DELTA)
 
 
+def _written_version(h: Header) -> int:
+    """The oldest version that can hold ``h``: older readers keep reading what they can."""
+    if any(method == METHOD_HUF for f in h.frames for method, _ in f.streams):
+        return VERSION_HUF
+    return VERSION if h.precision_factor_log2 is None else VERSION_FACTOR
+
+
 def pack(h: Header) -> bytes:
     name = h.dtype.encode("ascii")
     factor = h.precision_factor_log2
+    version = _written_version(h)
     precision = NO_PRECISION if h.precision_bits is None else h.precision_bits
-    parts = [MAGIC, struct.pack("<BBB", VERSION if factor is None else VERSION_FACTOR, h.flags,
-                                len(name)), name,
+    parts = [MAGIC, struct.pack("<BBB", version, h.flags, len(name)), name,
              struct.pack(f"<B{len(h.shape)}Q", len(h.shape), *h.shape),
              struct.pack("<BBB", precision, h.width, h.rotation),
-             b"" if factor is None else struct.pack("<B", factor),
+             b"" if version < VERSION_FACTOR else struct.pack(
+                 "<B", NO_PRECISION if factor is None else factor),
              struct.pack("<QI", h.frame_elems, len(h.frames))]
     for f in h.frames:
         parts.append(struct.pack("<II", f.raw_crc, f.stored_crc))
@@ -145,7 +160,9 @@ def unpack(blob) -> tuple[Header, int]:
     precision, width = r.take("<BB")
     rotation = r.take("<B")[0] if version >= 3 else 0
     factor = r.take("<B")[0] if version >= 4 else NO_PRECISION
-    if (factor == NO_PRECISION) != (version < 4) or (flags & FLAG_FACTOR_ROUNDED and version < 4):
+    if ((factor == NO_PRECISION and version == VERSION_FACTOR)
+            or (factor != NO_PRECISION and version < VERSION_FACTOR)
+            or (flags & FLAG_FACTOR_ROUNDED and factor == NO_PRECISION)):
         raise CorruptBlobError("codec blob header has an invalid precision_factor field")
     frame_elems, nframes = r.take("<QI")
     per_frame = 8 + (4 if flags & FLAG_DELTA else 0) + 5 * width

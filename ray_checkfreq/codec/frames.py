@@ -8,11 +8,19 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ray_checkfreq.codec import nearlossless, zstdparams
-from ray_checkfreq.codec.blob import METHOD_RAW, METHOD_ZSTD, VERSION, FrameEntry
+from ray_checkfreq.codec import huffman, nearlossless, zstdparams
+from ray_checkfreq.codec.blob import (
+    METHOD_HUF,
+    METHOD_RAW,
+    METHOD_ZSTD,
+    VERSION,
+    VERSION_HUF,
+    FrameEntry,
+)
 from ray_checkfreq.codec.dtypes import DtypeInfo
 from ray_checkfreq.codec.errors import BaseMismatchError, CorruptBlobError
-from ray_checkfreq.codec.layout import SINGLE, Layout, crc32
+from ray_checkfreq.codec.grouping import scratch
+from ray_checkfreq.codec.layout import E8, SINGLE, Layout, crc32
 
 RAW_BELOW_SHIFT = 12  # zstd must save more than 1/2**12 of a stream
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -49,6 +57,11 @@ class FramePlan:
             return zstdparams.SMALL_LEVEL if self.nframes == 1 else zstdparams.OTHER_LEVEL
         return "exp" if self.layout.holds_exponent(j) else zstdparams.OTHER_LEVEL
 
+    def huffman_coded(self, j: int, nbytes: int) -> bool:
+        """Whether stream ``j`` is offered to the Huffman coder (huffman.py) first."""
+        return (self.level is None and self.layout.kind == E8 and j == 0
+                and nbytes >= huffman.MIN_BYTES and huffman.available())
+
 
 def _xor(a: np.ndarray, b: np.ndarray, unit: int) -> np.ndarray:
     utype = _UNSIGNED[unit]
@@ -68,17 +81,9 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     streams = plan.layout.split(data)
     stored, table, crc, raw_crc = [], [], 0, 0
     for j, stream in enumerate(streams):
-        packed = zstdparams.compressor(plan.stream_key(j)).compress(stream)
-        # A stream that zstd shrinks by less than 1/4096 is stored raw: decoding reads it
-        # in place, checked by one crc32 pass (carry-less multiply), where its zstd frame
-        # (stored blocks) cost a copy plus XXH64; measured 7-10 % faster whole-tensor
-        # decode on MiniLM, and the blob no larger.
-        if len(packed) < stream.nbytes - (stream.nbytes >> RAW_BELOW_SHIFT):
-            item, method = packed, METHOD_ZSTD
-        else:
-            # zstd's checksum covers the other streams; this one needs its own. A copy:
-            # split() may return views of memory that the next frame reuses.
-            item, method = bytes(stream), METHOD_RAW
+        item, method = _pack_stream(plan, j, stream)
+        if method != METHOD_ZSTD:
+            # zstd's checksum covers its streams; these need the frame's own.
             raw_crc = crc32(item, raw_crc)
         crc = crc32(item, crc)
         stored.append(item)
@@ -87,13 +92,32 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     return entry, stored
 
 
+def _pack_stream(plan: FramePlan, j: int, stream: Any) -> tuple[Any, int]:
+    """(stored bytes, method) of stream ``j`` of a frame."""
+    packed = None
+    if plan.huffman_coded(j, stream.nbytes):
+        packed = huffman.encode(stream)
+    method = METHOD_ZSTD if packed is None else METHOD_HUF
+    if packed is None:
+        packed = zstdparams.compressor(plan.stream_key(j)).compress(stream)
+    # A stream that its coder shrinks by less than 1/4096 is stored raw: decoding reads it
+    # in place, checked by one crc32 pass (carry-less multiply), where its zstd frame
+    # (stored blocks) cost a copy plus XXH64; measured 7-10 % faster whole-tensor
+    # decode on MiniLM, and the blob no larger.
+    if len(packed) < stream.nbytes - (stream.nbytes >> RAW_BELOW_SHIFT):
+        return packed, method
+    # A copy: split() may return views of memory that the next frame reuses.
+    return bytes(stream), METHOD_RAW
+
+
 def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset: int,
                  out: np.ndarray, base: np.ndarray | None, i: int, version: int = VERSION) -> None:
     """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it.
 
-    Format versions 2 and 3: zstd checks each compressed stream's content checksum while it
-    decompresses, and the streams stored raw are checked against ``raw_crc`` here, so no
-    pass over the decoded frame is needed. Version 1: ``raw_crc`` covers the decoded frame.
+    Format versions 2 to 5: zstd checks each compressed stream's content checksum while it
+    decompresses, and the streams stored raw (version 5: or Huffman-coded, checked before
+    they are decoded) are checked against ``raw_crc`` here, so no pass over the decoded
+    frame is needed. Version 1: ``raw_crc`` covers the decoded frame.
     The stored crc is left to verify(): the content checks already reject any damage.
     """
     lo, hi = plan.bounds(i)
@@ -104,7 +128,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             "was given as base= to encode")
     stored = payload[offset:offset + entry.stored_len]
     target = out[lo:hi]
-    streams, pos, raw_crc = [], 0, 0
+    streams: list[Any] = []
+    pos, raw_crc = 0, 0
     lengths = plan.layout.stream_lengths(hi - lo)
     for (method, n), stream_len in zip(entry.streams, lengths, strict=True):
         chunk: Any = stored[pos:pos + n]
@@ -114,6 +139,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             # allocator reuses frame after frame; a stream reader's readinto() would copy
             # every stream once more through zstd's window buffer (measured slower).
             chunk = _decompress(chunk, stream_len, i, version)
+        elif method == METHOD_HUF and version >= VERSION_HUF:
+            raw_crc = crc32(chunk, raw_crc)
         elif method != METHOD_RAW or n != stream_len:
             raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
         elif version >= 2:
@@ -121,7 +148,12 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
         streams.append(chunk)
     if version >= 2 and raw_crc != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
-                               "stream stored raw)")
+                               "stream stored raw or Huffman-coded)")
+    for j, ((method, _), stream_len) in enumerate(zip(entry.streams, lengths, strict=True)):
+        if method == METHOD_HUF:  # decoded only once its stored bytes are known intact
+            decoded = scratch(f"huf{j}", stream_len)[:stream_len]
+            huffman.decode_into(streams[j], decoded, i)
+            streams[j] = decoded
     plan.layout.merge(streams, target)
     if base is not None:
         utype = _UNSIGNED[plan.info.unit_bytes]
