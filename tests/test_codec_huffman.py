@@ -172,3 +172,37 @@ def test_decoded_tensor_does_not_share_the_decoder_scratch():
     first = codec.decode(codec.encode(x), threads=1)
     second = codec.decode(codec.encode(y), threads=1)
     assert raw(first) == raw(x) and raw(second) == raw(y)
+
+
+def test_prefetch_hint_changes_nothing():
+    data = make_stream(50_000, 9, "exponent")
+    stored = kernels.huf_encode(data)
+    out = np.empty(len(data), np.uint8)
+    for ahead in (b"", bytes(10), np.zeros(1 << 20, np.uint8)):
+        out[:] = 0
+        kernels.huf_decode(stored, out, ahead)
+        assert out.tobytes() == data
+
+
+def test_constant_exponent_bits_are_stored_as_a_fill():
+    # N(0, 0.02) float32: every exponent lies within the offset's window, so stream K is
+    # its offset byte then zeros in every frame: 2 stored bytes, rebuilt by a fill.
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(10)) * 0.02
+    blob = codec.encode(x, config=codec.CodecConfig(frame_bytes=1 << 18))
+    header, start = blobfmt.unpack(blob)
+    assert [f.streams[1] for f in header.frames] == [(blobfmt.METHOD_FILL, 2)] * len(header.frames)
+    assert codec.blob_info(blob)["stream_methods"]["fill"] == len(header.frames)
+    assert raw(codec.decode(blob)) == raw(x)
+    # a value far outside the window makes that frame's K stream non-constant
+    y = x.clone()
+    y[5] = 1e30
+    header_y, _ = blobfmt.unpack(codec.encode(y, config=codec.CodecConfig(frame_bytes=1 << 18)))
+    assert header_y.frames[0].streams[1][0] == blobfmt.METHOD_ZSTD
+    assert header_y.frames[1].streams[1][0] == blobfmt.METHOD_FILL
+    # damage to a fill's bytes is caught by the frame checksum
+    fill_at = start + header.frames[0].streams[0][1]
+    for k in (0, 1):
+        damaged = bytearray(blob)
+        damaged[fill_at + k] ^= 0x01
+        with pytest.raises(codec.CorruptBlobError, match="checksum mismatch"):
+            codec.decode(bytes(damaged))

@@ -979,10 +979,17 @@ static Py_ssize_t huf_safe_rounds(const Py_ssize_t *pos, const Py_ssize_t *lane_
 
 #define HUF_FAST(NAME, ATTR)                                                             \
     ATTR static void NAME(const uint32_t *table, const uint8_t *src, Py_ssize_t *pos,    \
-                          uint8_t **o, Py_ssize_t rounds) {                              \
+                          uint8_t **o, Py_ssize_t rounds, const uint8_t **pf,            \
+                          const uint8_t *pf_end) {                                       \
+        const uint8_t *ahead = *pf;                                                      \
         uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];                          \
         Py_ssize_t u0 = pos[0], u1 = pos[1], u2 = pos[2], u3 = pos[3];                   \
         for (Py_ssize_t r = 0; r < rounds; r++) {                                        \
+            if (ahead < pf_end) {                                                        \
+                __builtin_prefetch(ahead);                                               \
+                __builtin_prefetch(ahead + 64);                                          \
+                ahead += 128;                                                            \
+            }                                                                            \
             uint64_t v0 = HUF_LOAD(u0), v1 = HUF_LOAD(u1), v2 = HUF_LOAD(u2),             \
                      v3 = HUF_LOAD(u3);                                                  \
             for (int k = 0; k < 4; k++) {                                                \
@@ -994,6 +1001,7 @@ static Py_ssize_t huf_safe_rounds(const Py_ssize_t *pos, const Py_ssize_t *lane_
             u0 += HUF_CONSUMED(v0), u1 += HUF_CONSUMED(v1);                              \
             u2 += HUF_CONSUMED(v2), u3 += HUF_CONSUMED(v3);                              \
         }                                                                                \
+        *pf = ahead;                                                                     \
         o[0] = o0, o[1] = o1, o[2] = o2, o[3] = o3;                                      \
         pos[0] = u0, pos[1] = u1, pos[2] = u2, pos[3] = u3;                              \
     }
@@ -1012,7 +1020,11 @@ HUF_FAST(huf_fast_bmi2, HUF_SCALAR __attribute__((target("bmi2"))))
 #endif
 
 /* 0, or -1 if the stored stream is malformed. `out` receives exactly n bytes. */
-static int huf_decode(const uint8_t *src, Py_ssize_t src_len, uint8_t *out, Py_ssize_t n) {
+/* `ahead`: memory that the caller reads next (the frame's other streams), prefetched a
+ * little every round, so that fetching it from memory overlaps the decoding. */
+static int huf_decode(const uint8_t *src, Py_ssize_t src_len, uint8_t *out, Py_ssize_t n,
+                      const uint8_t *ahead, Py_ssize_t ahead_len) {
+    const uint8_t *ahead_end = ahead + ahead_len;
     if (src_len < HUF_HEADER || src[0] != HUF_MAX_BITS)
         return -1;
     uint8_t len[256];
@@ -1047,10 +1059,10 @@ static int huf_decode(const uint8_t *src, Py_ssize_t src_len, uint8_t *out, Py_s
     while ((rounds = huf_safe_rounds(pos, lane_end, o, end)) > 0) {
 #ifdef HAVE_AVX2_DISPATCH
         if (use_bmi2)
-            huf_fast_bmi2(table, src, pos, o, rounds);
+            huf_fast_bmi2(table, src, pos, o, rounds, &ahead, ahead_end);
         else
 #endif
-            huf_fast_plain(table, src, pos, o, rounds);
+            huf_fast_plain(table, src, pos, o, rounds, &ahead, ahead_end);
     }
     /* the rest one symbol at a time, reading only inside the lane */
     for (int j = 0; j < HUF_LANES; j++) {
@@ -1115,15 +1127,18 @@ static PyObject *py_huf_encode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_huf_decode(PyObject *self, PyObject *args) {
-    Py_buffer src, out;
-    if (!PyArg_ParseTuple(args, "y*w*", &src, &out))
+    Py_buffer src, out, ahead = {0};
+    if (!PyArg_ParseTuple(args, "y*w*|y*", &src, &out, &ahead))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = huf_decode((const uint8_t *)src.buf, src.len, (uint8_t *)out.buf, out.len);
+    rc = huf_decode((const uint8_t *)src.buf, src.len, (uint8_t *)out.buf, out.len,
+                    (const uint8_t *)ahead.buf, ahead.buf ? ahead.len : 0);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     PyBuffer_Release(&out);
+    if (ahead.obj != NULL)
+        PyBuffer_Release(&ahead);
     if (rc < 0) {
         PyErr_SetString(PyExc_ValueError, "huf_decode: malformed Huffman stream");
         return NULL;
@@ -1322,7 +1337,8 @@ static PyMethodDef methods[] = {
     {"huf_encode", py_huf_encode, METH_VARARGS,
      "huf_encode(src): src Huffman-coded (bytes), or None when it has runs (use zstd)."},
     {"huf_decode", py_huf_decode, METH_VARARGS,
-     "huf_decode(stored, out): decode a huf_encode stream into out (len(out) symbols)."},
+     "huf_decode(stored, out, ahead=None): decode a huf_encode stream into out (len(out) "
+     "symbols), prefetching the buffer ahead meanwhile."},
     {"crc32", py_crc32, METH_VARARGS,
      "crc32(data, value=0): zlib.crc32, with carry-less multiply where the CPU has it."},
     {NULL, NULL, 0, NULL},

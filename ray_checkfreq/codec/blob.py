@@ -24,14 +24,16 @@ applied (every finite value lay in [-1, 1]), its absence that the tensor is stor
 Only such blobs are written as version 4; all others are still written as version 3, so a
 reader from before version 4 reads every blob it can represent. Version 5 has the layout
 of version 4 (``precision_factor_log2`` is 255 without a factor) and is written exactly
-when a stream is stored Huffman-coded (``METHOD_HUF``, :mod:`ray_checkfreq.codec.huffman`),
-which readers before it cannot decode.
+when a stream is stored Huffman-coded (``METHOD_HUF``, :mod:`ray_checkfreq.codec.huffman`)
+or as a fill (``METHOD_FILL``: a byte, then one byte repeated, as the planar split's
+stream K of a frame whose exponents all lie in the offset's window), which readers before
+it cannot decode.
 
 ``stored_crc`` is the crc32 of the frame's stored streams (what :func:`verify` checks),
 ``base_crc`` of the frame's bytes of the delta base. ``raw_crc`` depends on the version:
 
 - version 5: as versions 2-4, and ``raw_crc`` also covers the stored bytes of the
-  Huffman-coded streams (with the raw ones, in stream order).
+  Huffman-coded and fill streams (with the raw ones, in stream order).
 - versions 2 to 4: every zstd stream carries zstd's own content checksum (XXH64,
   checked by zstd while it decompresses) and ``raw_crc`` is the crc32 of the streams
   stored raw, in order (0 when there are none). Every stored byte is thus covered by a
@@ -63,7 +65,10 @@ FLAG_FACTOR_ROUNDED = 16  # version >= 4: values rounded to multiples of 2^-prec
 METHOD_RAW = 0
 METHOD_ZSTD = 1
 METHOD_HUF = 2  # version >= 5: huffman.py's coding of one byte stream
-METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd", METHOD_HUF: "huffman"}
+METHOD_FILL = 3  # version >= 5: 2 stored bytes: the stream's first byte, then every other one
+METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd", METHOD_HUF: "huffman",
+                METHOD_FILL: "fill"}
+METHODS_OF_VERSION_5 = (METHOD_HUF, METHOD_FILL)
 NO_PRECISION = 255
 
 
@@ -103,7 +108,7 @@ class Header:
 
 def _written_version(h: Header) -> int:
     """The oldest version that can hold ``h``: older readers keep reading what they can."""
-    if any(method == METHOD_HUF for f in h.frames for method, _ in f.streams):
+    if any(method in METHODS_OF_VERSION_5 for f in h.frames for method, _ in f.streams):
         return VERSION_HUF
     return VERSION if h.precision_factor_log2 is None else VERSION_FACTOR
 

@@ -10,6 +10,7 @@ import zstandard
 
 from ray_checkfreq.codec import huffman, nearlossless, zstdparams
 from ray_checkfreq.codec.blob import (
+    METHOD_FILL,
     METHOD_HUF,
     METHOD_RAW,
     METHOD_ZSTD,
@@ -62,6 +63,11 @@ class FramePlan:
         return (self.level is None and self.layout.kind == E8 and j == 0
                 and nbytes >= huffman.MIN_BYTES and huffman.available())
 
+    def may_fill(self, j: int, nbytes: int) -> bool:
+        """Whether stream ``j`` may be stored as a fill: stream K of the frames whose
+        stream T is offered to the Huffman coder (K holds a byte per 4 elements)."""
+        return j == 1 and self.huffman_coded(0, 4 * (nbytes - 1))
+
 
 def _xor(a: np.ndarray, b: np.ndarray, unit: int) -> np.ndarray:
     utype = _UNSIGNED[unit]
@@ -83,7 +89,7 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     for j, stream in enumerate(streams):
         item, method = _pack_stream(plan, j, stream)
         if method != METHOD_ZSTD:
-            # zstd's checksum covers its streams; these need the frame's own.
+            # zstd's checksum covers its streams; the others need the frame's own.
             raw_crc = crc32(item, raw_crc)
         crc = crc32(item, crc)
         stored.append(item)
@@ -92,9 +98,23 @@ def encode_frame(plan: FramePlan, src: np.ndarray, base: np.ndarray | None,
     return entry, stored
 
 
+def _fill_of(stream: Any) -> bytes | None:
+    """The 2 stored bytes of ``stream`` as a fill (a byte, then one byte repeated), or None."""
+    values = np.asarray(stream)
+    if values.size < 64 or not (values[1:] == values[1]).all():
+        return None
+    return bytes(values[:2])
+
+
 def _pack_stream(plan: FramePlan, j: int, stream: Any) -> tuple[Any, int]:
     """(stored bytes, method) of stream ``j`` of a frame."""
     packed = None
+    # Stream K (two exponent bits per element) is one value for most frames: as a fill it
+    # is rebuilt by a memset, where its zstd frame cost a decompression call and XXH64.
+    if plan.may_fill(j, stream.nbytes):
+        fill = _fill_of(stream)
+        if fill is not None:
+            return fill, METHOD_FILL
     if plan.huffman_coded(j, stream.nbytes):
         packed = huffman.encode(stream)
     method = METHOD_ZSTD if packed is None else METHOD_HUF
@@ -115,10 +135,10 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
     """Decode frame ``i`` (stored at ``payload[offset:]``) into ``out``; verify it.
 
     Format versions 2 to 5: zstd checks each compressed stream's content checksum while it
-    decompresses, and the streams stored raw (version 5: or Huffman-coded, checked before
-    they are decoded) are checked against ``raw_crc`` here, so no pass over the decoded
-    frame is needed. Version 1: ``raw_crc`` covers the decoded frame.
-    The stored crc is left to verify(): the content checks already reject any damage.
+    decompresses, and the streams stored raw (version 5: or Huffman-coded, or as a fill)
+    are checked against ``raw_crc`` here, so no pass over the decoded frame is needed.
+    Version 1: ``raw_crc`` covers the decoded frame. The stored crc is left to verify():
+    the content checks already reject any damage.
     """
     lo, hi = plan.bounds(i)
     if base is not None and crc32(base[lo:hi].data) != entry.base_crc:
@@ -128,32 +148,48 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             "was given as base= to encode")
     stored = payload[offset:offset + entry.stored_len]
     target = out[lo:hi]
-    streams: list[Any] = []
-    pos, raw_crc = 0, 0
     lengths = plan.layout.stream_lengths(hi - lo)
-    for (method, n), stream_len in zip(entry.streams, lengths, strict=True):
-        chunk: Any = stored[pos:pos + n]
+    streams: list[Any] = []
+    ends: list[int] = []
+    pos = 0
+    for _, n in entry.streams:
+        streams.append(stored[pos:pos + n])
         pos += n
+        ends.append(pos)
+    # Huffman streams are decoded first, prefetching the rest of the frame meanwhile (the
+    # checksum pass then reads it from cache); the decoder is safe on damaged input, and
+    # damage is reported by the checksum check below before any error of the decoder.
+    malformed: CorruptBlobError | None = None
+    raw_crc = 0
+    for j, ((method, n), stream_len) in enumerate(zip(entry.streams, lengths, strict=True)):
+        chunk: Any = streams[j]
         if method == METHOD_ZSTD:
             # One-shot decompression writes straight into a new bytes object, which the
             # allocator reuses frame after frame; a stream reader's readinto() would copy
             # every stream once more through zstd's window buffer (measured slower).
-            chunk = _decompress(chunk, stream_len, i, version)
-        elif method == METHOD_HUF and version >= VERSION_HUF:
-            raw_crc = crc32(chunk, raw_crc)
+            streams[j] = _decompress(chunk, stream_len, i, version)
+            continue
+        if version >= VERSION_HUF and method == METHOD_HUF:
+            decoded = scratch(f"huf{j}", stream_len)[:stream_len]
+            try:
+                huffman.decode_into(chunk, decoded, i, ahead=stored[ends[j]:])
+            except CorruptBlobError as exc:
+                malformed = exc
+            streams[j] = decoded
+        elif version >= VERSION_HUF and method == METHOD_FILL and n == 2:
+            filled = scratch(f"fill{j}", stream_len)[:stream_len]
+            filled.fill(chunk[1])
+            filled[:1] = chunk[0]
+            streams[j] = filled
         elif method != METHOD_RAW or n != stream_len:
             raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
-        elif version >= 2:
+        if version >= 2:
             raw_crc = crc32(chunk, raw_crc)
-        streams.append(chunk)
     if version >= 2 and raw_crc != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
                                "stream stored raw or Huffman-coded)")
-    for j, ((method, _), stream_len) in enumerate(zip(entry.streams, lengths, strict=True)):
-        if method == METHOD_HUF:  # decoded only once its stored bytes are known intact
-            decoded = scratch(f"huf{j}", stream_len)[:stream_len]
-            huffman.decode_into(streams[j], decoded, i)
-            streams[j] = decoded
+    if malformed is not None:
+        raise malformed
     plan.layout.merge(streams, target)
     if base is not None:
         utype = _UNSIGNED[plan.info.unit_bytes]

@@ -47,11 +47,16 @@ def encode(stream) -> bytes | None:
     return layout._kernels.huf_encode(stream) if available() else None
 
 
-def decode_into(stored, out: np.ndarray, frame: int) -> None:
-    """Decode ``stored`` into the uint8 array ``out`` (its length is the symbol count)."""
+def decode_into(stored, out: np.ndarray, frame: int, ahead=None) -> None:
+    """Decode ``stored`` into the uint8 array ``out`` (its length is the symbol count).
+
+    ``ahead``: a buffer the caller reads next, prefetched while decoding (a hint)."""
     if available():
         try:
-            layout._kernels.huf_decode(stored, out)
+            if ahead is None:
+                layout._kernels.huf_decode(stored, out)
+            else:
+                layout._kernels.huf_decode(stored, out, ahead)
         except ValueError:
             raise CorruptBlobError(f"codec blob frame {frame} has a malformed Huffman "
                                    "stream") from None
