@@ -871,13 +871,41 @@ static void huf_histogram(const uint8_t *src, Py_ssize_t n, uint64_t *freq) {
         freq[s] += (uint64_t)h[0][s] + h[1][s] + h[2][s] + h[3][s];
 }
 
-static Py_ssize_t huf_bound(Py_ssize_t n) {
-    return HUF_HEADER + (n * HUF_MAX_BITS + 7) / 8 + 8 * HUF_LANES;
+/* Bytes one lane of n symbols may take while it is written (<= 12 bits a symbol, plus
+ * the 8-byte stores' slack). */
+static Py_ssize_t huf_lane_bound(Py_ssize_t n) {
+    return (n * HUF_MAX_BITS + 7) / 8 + 16;
 }
 
-/* Writes the coded stream to `out` (huf_bound(n) bytes); returns its length. The bit
- * writer stores 8 bytes after every 4 symbols (<= 48 bits, on top of < 8 pending) and
- * advances by the whole bytes written, without branches. */
+static Py_ssize_t huf_bound(Py_ssize_t n) {
+    return HUF_HEADER + HUF_LANES * huf_lane_bound(n / HUF_LANES + 1);
+}
+
+/* A bit writer: `bits` (< 8 after a flush) pending bits in `acc`, flushed to `dst`. */
+typedef struct {
+    uint64_t acc;
+    unsigned bits;
+    uint8_t *dst;
+} huf_writer;
+
+#define HUF_PUT(wr, c)                                                                   \
+    do {                                                                                 \
+        uint32_t c_ = (c);                                                               \
+        (wr).acc |= (uint64_t)(c_ & 0xFFFF) << (wr).bits;                                \
+        (wr).bits += c_ >> 16;                                                           \
+    } while (0)
+/* Stores 8 bytes and advances by the whole bytes written, without branches. */
+#define HUF_FLUSH(wr)                                                                    \
+    do {                                                                                 \
+        memcpy((wr).dst, &(wr).acc, 8);                                                  \
+        (wr).dst += (wr).bits >> 3;                                                      \
+        (wr).acc >>= (wr).bits & ~7u; /* bits <= 55 */                                   \
+        (wr).bits &= 7;                                                                  \
+    } while (0)
+
+/* Writes the coded stream to `out` (huf_bound(n) bytes); returns its length. The lanes
+ * are written together, 4 symbols of each between flushes (<= 48 bits on top of < 8
+ * pending), each into its own region of `out`; the regions are then closed up. */
 static Py_ssize_t huf_encode(const uint8_t *src, Py_ssize_t n, const uint8_t *len,
                              uint8_t *out) {
     uint16_t code[256];
@@ -888,34 +916,50 @@ static Py_ssize_t huf_encode(const uint8_t *src, Py_ssize_t n, const uint8_t *le
     out[0] = HUF_MAX_BITS;
     for (int i = 0; i < 128; i++)
         out[1 + i] = (uint8_t)(len[2 * i] | (len[2 * i + 1] << 4));
+    huf_writer wr[HUF_LANES];
+    const uint8_t *lane_src[HUF_LANES];
+    Py_ssize_t lane_n[HUF_LANES], common = n;
+    uint8_t *region = out + HUF_HEADER;
+    for (int j = 0; j < HUF_LANES; j++) {
+        Py_ssize_t lo = n * j / HUF_LANES, hi = n * (j + 1) / HUF_LANES;
+        lane_src[j] = src + lo;
+        lane_n[j] = hi - lo;
+        common = lane_n[j] < common ? lane_n[j] : common;
+        wr[j] = (huf_writer){0, 0, region};
+        region += huf_lane_bound(hi - lo);
+    }
+    huf_writer w0 = wr[0], w1 = wr[1], w2 = wr[2], w3 = wr[3];
+    const uint8_t *s0 = lane_src[0], *s1 = lane_src[1], *s2 = lane_src[2], *s3 = lane_src[3];
+    Py_ssize_t i = 0;
+    for (; i + 4 <= common; i += 4) {
+        for (int k = 0; k < 4; k++) {
+            HUF_PUT(w0, cl[s0[i + k]]);
+            HUF_PUT(w1, cl[s1[i + k]]);
+            HUF_PUT(w2, cl[s2[i + k]]);
+            HUF_PUT(w3, cl[s3[i + k]]);
+        }
+        HUF_FLUSH(w0);
+        HUF_FLUSH(w1);
+        HUF_FLUSH(w2);
+        HUF_FLUSH(w3);
+    }
+    wr[0] = w0, wr[1] = w1, wr[2] = w2, wr[3] = w3;
     uint8_t *dst = out + HUF_HEADER;
     for (int j = 0; j < HUF_LANES; j++) {
-        Py_ssize_t i = n * j / HUF_LANES, hi = n * (j + 1) / HUF_LANES;
-        uint8_t *start = dst;
-        uint64_t acc = 0;
-        unsigned bits = 0;
-#define HUF_PUT(s)                                                                       \
-        do {                                                                             \
-            uint32_t c_ = cl[s];                                                         \
-            acc |= (uint64_t)(c_ & 0xFFFF) << bits;                                      \
-            bits += c_ >> 16;                                                            \
-        } while (0)
-        for (; i + 4 <= hi; i += 4) {
-            HUF_PUT(src[i]);
-            HUF_PUT(src[i + 1]);
-            HUF_PUT(src[i + 2]);
-            HUF_PUT(src[i + 3]);
-            memcpy(dst, &acc, 8);
-            dst += bits >> 3;
-            acc >>= bits & ~7u; /* bits <= 55 */
-            bits &= 7;
+        for (Py_ssize_t r = i; r < lane_n[j]; r++) {
+            HUF_PUT(wr[j], cl[lane_src[j][r]]);
+            if (wr[j].bits >= 32)
+                HUF_FLUSH(wr[j]);
         }
-        for (; i < hi; i++)
-            HUF_PUT(src[i]);
-#undef HUF_PUT
-        memcpy(dst, &acc, 8);
-        dst += (bits + 7) >> 3;
-        uint32_t lane_len = (uint32_t)(dst - start);
+        HUF_FLUSH(wr[j]);
+        if (wr[j].bits)
+            wr[j].dst++;
+        uint8_t *start = out + HUF_HEADER;
+        for (int q = 0; q < j; q++)
+            start += huf_lane_bound(lane_n[q]);
+        uint32_t lane_len = (uint32_t)(wr[j].dst - start);
+        memmove(dst, start, lane_len);
+        dst += lane_len;
         memcpy(out + 1 + 128 + 4 * j, &lane_len, 4);
     }
     return dst - out;
