@@ -258,6 +258,11 @@ for width in (2, 4):
             assert np.array_equal(out, data), (width, n, kind)
 blob = rng.integers(0, 256, 100_003, dtype=np.uint8)
 assert _kernels.crc32(blob, 7) == zlib.crc32(blob.tobytes(), 7)
+for n in (0, 5, 4096, 100_001):  # Huffman: the scalar table build and fast loop
+    data = np.clip(rng.normal(120, 6, n), 0, 255).astype(np.uint8)
+    out = np.empty(n, np.uint8)
+    _kernels.huf_decode(_kernels.huf_encode(data), out)
+    assert np.array_equal(out, data), n
 print("ok")
 """
 
