@@ -903,6 +903,34 @@ typedef struct {
         (wr).bits &= 7;                                                                  \
     } while (0)
 
+/* The first `count` symbols (a multiple of 4) of two lanes, 4 of each between flushes
+ * (<= 48 bits on top of < 8 pending): two independent chains, few enough registers
+ * (4 lanes at once spilled them). */
+#define HUF_PUT_PAIR(NAME, ATTR)                                                         \
+    ATTR static void NAME(const uint32_t *cl, const uint8_t *s0, const uint8_t *s1,      \
+                          Py_ssize_t count, huf_writer *wa, huf_writer *wb) {            \
+        huf_writer w0 = *wa, w1 = *wb;                                                   \
+        for (Py_ssize_t i = 0; i < count; i += 4) {                                      \
+            HUF_PUT(w0, cl[s0[i]]);                                                      \
+            HUF_PUT(w1, cl[s1[i]]);                                                      \
+            HUF_PUT(w0, cl[s0[i + 1]]);                                                  \
+            HUF_PUT(w1, cl[s1[i + 1]]);                                                  \
+            HUF_PUT(w0, cl[s0[i + 2]]);                                                  \
+            HUF_PUT(w1, cl[s1[i + 2]]);                                                  \
+            HUF_PUT(w0, cl[s0[i + 3]]);                                                  \
+            HUF_PUT(w1, cl[s1[i + 3]]);                                                  \
+            HUF_FLUSH(w0);                                                               \
+            HUF_FLUSH(w1);                                                               \
+        }                                                                                \
+        *wa = w0, *wb = w1;                                                              \
+    }
+
+#ifdef HAVE_AVX2_DISPATCH
+static int use_bmi2;
+HUF_PUT_PAIR(huf_put_bmi2, __attribute__((target("bmi2"))))
+#endif
+HUF_PUT_PAIR(huf_put_plain, )
+
 /* Writes the coded stream to `out` (huf_bound(n) bytes); returns its length. The lanes
  * are written together, 4 symbols of each between flushes (<= 48 bits on top of < 8
  * pending), each into its own region of `out`; the regions are then closed up. */
@@ -928,22 +956,15 @@ static Py_ssize_t huf_encode(const uint8_t *src, Py_ssize_t n, const uint8_t *le
         wr[j] = (huf_writer){0, 0, region};
         region += huf_lane_bound(hi - lo);
     }
-    huf_writer w0 = wr[0], w1 = wr[1], w2 = wr[2], w3 = wr[3];
-    const uint8_t *s0 = lane_src[0], *s1 = lane_src[1], *s2 = lane_src[2], *s3 = lane_src[3];
-    Py_ssize_t i = 0;
-    for (; i + 4 <= common; i += 4) {
-        for (int k = 0; k < 4; k++) {
-            HUF_PUT(w0, cl[s0[i + k]]);
-            HUF_PUT(w1, cl[s1[i + k]]);
-            HUF_PUT(w2, cl[s2[i + k]]);
-            HUF_PUT(w3, cl[s3[i + k]]);
-        }
-        HUF_FLUSH(w0);
-        HUF_FLUSH(w1);
-        HUF_FLUSH(w2);
-        HUF_FLUSH(w3);
+    Py_ssize_t i = common / 4 * 4;
+    for (int j = 0; j < HUF_LANES; j += 2) {
+#ifdef HAVE_AVX2_DISPATCH
+        if (use_bmi2)
+            huf_put_bmi2(cl, lane_src[j], lane_src[j + 1], i, &wr[j], &wr[j + 1]);
+        else
+#endif
+            huf_put_plain(cl, lane_src[j], lane_src[j + 1], i, &wr[j], &wr[j + 1]);
     }
-    wr[0] = w0, wr[1] = w1, wr[2] = w2, wr[3] = w3;
     uint8_t *dst = out + HUF_HEADER;
     for (int j = 0; j < HUF_LANES; j++) {
         for (Py_ssize_t r = i; r < lane_n[j]; r++) {
@@ -1095,7 +1116,6 @@ static Py_ssize_t huf_safe_rounds(const Py_ssize_t *pos, const Py_ssize_t *lane_
 #endif
 HUF_FAST(huf_fast_plain, HUF_SCALAR)
 #ifdef HAVE_AVX2_DISPATCH
-static int use_bmi2;
 HUF_FAST(huf_fast_bmi2, HUF_SCALAR __attribute__((target("bmi2"))))
 #endif
 
