@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -23,10 +24,14 @@ def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
     out = tmp_path / "ray.json"
     # A child process: the bench starts its own cluster_utils.Cluster, and this pytest
     # process may hold the session's Ray runtime already.
+    # The Train controller polls its workers every 0.5 s instead of 2: the kill and the
+    # end of the run are seen sooner (nothing measured depends on it).
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
         [sys.executable, "-m", "ray_checkfreq.cli", "bench", "ray", "--state-mb", "2", "--iterations", "8",
          "--warmup", "4", "--repeats", "1", "--every", "4", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     figures = json.loads(out.read_text())

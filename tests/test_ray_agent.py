@@ -98,3 +98,17 @@ def test_a_slot_is_sent_packed_to_a_rank_on_another_node(agent):
     write_snapshot(path, 10, state)  # rewritten since: the old request is refused
     with pytest.raises(slots.SlotError, match="request was for"):
         agent.read_packed(path, header.seq)
+
+
+def test_forget_removes_the_slots_and_writers_and_the_agent_serves_again(agent, tmp_path):
+    state = {"w": torch.arange(100, dtype=torch.float32)}
+    paths = agent.allocate(4096, 1 << 20)
+    header = write_snapshot(paths[0], 5, state)
+    store = CheckpointStore(str(tmp_path / "ckpt"), codec="raw")
+    agent.persist(paths[0], header.seq, store, store.acquire_writer())
+    agent.forget()
+    assert agent.slot_headers() == [] and not any(os.path.exists(p) for p in paths)
+    assert agent._stores == {}
+    fresh = agent.allocate(4096, 1 << 20)
+    assert set(fresh).isdisjoint(paths) and all(os.path.exists(p) for p in fresh)
+    assert [h["step"] for h in agent.slot_headers()] == [-1, -1]  # nothing of before is restorable

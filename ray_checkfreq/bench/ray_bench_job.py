@@ -185,15 +185,18 @@ def _registration(stats: dict) -> dict:
 
 
 def _end_agents(run: str) -> None:
-    """The next CheckFreq of this run starts with fresh agents and a fresh policy actor: a
+    """The next CheckFreq of this run starts with empty agents and a fresh policy actor: a
     slot left by this variant would otherwise be restored by the next one, and the k this
-    variant's policy learned would be kept."""
-    from ray_checkfreq.ray.agent import shutdown_agents
+    variant's policy learned would be kept. The agents' processes stay (their start-up is
+    not what a variant measures)."""
+    import ray
+
+    from ray_checkfreq.ray.agent import live_agents
     from ray_checkfreq.ray.policy_actor import shutdown_policy
 
     dist.barrier()
     if dist.get_rank() == 0:
-        shutdown_agents(run)
+        ray.get([agent.forget.remote() for agent in live_agents(run).values()])
         shutdown_policy(run)
     dist.barrier()
 

@@ -236,6 +236,15 @@ class NodeAgent:
         self._remove_all()
         ray.actor.exit_actor()
 
+    def forget(self) -> None:
+        """Start over without a new process: wait for the persist in flight (bounded), remove
+        the slot files, and drop the cached writers and policy handle. ``bench ray`` runs
+        its variants one after another in one run, each from nothing."""
+        self.wait_idle(60.0)
+        with self._persist_lock:
+            self._remove_all()
+            self._stores, self._policy = {}, None
+
     def _remove_all(self) -> None:
         with self._lock:
             for slot in [*self._slots.values(), *self._retired.values()]:
