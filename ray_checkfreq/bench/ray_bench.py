@@ -210,7 +210,8 @@ def targets(figures: dict, overhead: float) -> dict:
 def print_table(figures: dict) -> None:
     cfg = figures["config"]
     print(f"job: MLP {cfg['layers']} x {cfg['width']} + Adam, DDP over gloo, 2 workers on 2 one-CPU nodes "
-          f"(the head one of them), batch {cfg['batch']}/rank; Ti {figures['iteration_s'] * 1000:.0f} ms; k = {figures['k']} "
+          f"(the head one of them), batch {cfg['batch']}/rank; Ti {figures['iteration_s'] * 1000:.0f} ms; "
+          f"k = {figures['k']} "
           f"(k x Ti = {figures['k_times_iteration_s']:.1f} s); {cfg['repeats']} interleaved rounds of "
           f"{cfg['iterations']} timed iterations after {cfg['warmup']} untimed; epoch = {cfg['epoch_len']} iterations")
     print(f"{'variant':<23} {'k':>8} {'ckpt/epoch':>10} {'timed ckpts':>11} {'s/iter':>9} "
