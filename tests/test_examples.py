@@ -21,7 +21,10 @@ import pytest
 from ray_checkfreq import CheckpointStore
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30", "RAY_DEDUP_LOGS": "0"}
+# The Train controller polls its workers every 0.5 s (default 2): a run's end and a killed
+# worker are seen sooner.
+RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30", "RAY_DEDUP_LOGS": "0",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
