@@ -277,3 +277,12 @@ def test_metrics_reach_the_prometheus_endpoint(ray_session):
             return
         assert time.monotonic() < deadline, "checkfreq_k never reached the metrics endpoint"
         time.sleep(1)
+
+
+def test_the_registration_budget_is_the_engines_overhead_however_it_is_given():
+    from ray_checkfreq import CheckFreqConfig
+    from ray_checkfreq.ray.session import _overhead_of
+
+    assert _overhead_of({"config": CheckFreqConfig(overhead=0.01)}) == 0.01
+    assert _overhead_of({"overhead": 0.02}) == 0.02
+    assert _overhead_of({}) == CheckFreqConfig().overhead

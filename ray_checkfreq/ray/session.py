@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ray_checkfreq.engine import CheckFreq as Engine
+from ray_checkfreq.engine import CheckFreqConfig
 from ray_checkfreq.engine.persist import PersistWorker
 from ray_checkfreq.engine.seams import EngineSeams, local_rng_state, set_local_rng_state
 from ray_checkfreq.ray import agent as agents
@@ -140,7 +141,7 @@ class CheckFreq:
         self._last_step_s: float | None = None
         self._iter_s = 0.0
         self.metrics = self._new_metrics()
-        self._registrar = self._new_registrar(storage, context, engine_options.get("overhead", 0.035))
+        self._registrar = self._new_registrar(storage, context, _overhead_of(engine_options))
         self._policy = (PolicyLink(self.run, rank=self.rank, lease_s=self.ray_config.agent_lease_s)
                         if self.ray_config.shared_policy and _adapts(engine_options) else None)
         self._policy_version = -1
@@ -483,6 +484,14 @@ class CheckFreq:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _overhead_of(engine_options: Mapping[str, Any]) -> float:
+    """The overhead budget p the engine will use (``config=`` or the ``overhead`` keyword)."""
+    config = engine_options.get("config")
+    if config is not None:
+        return float(config.overhead)
+    return float(engine_options.get("overhead", CheckFreqConfig().overhead))
 
 
 def _adapts(engine_options: Mapping[str, Any]) -> bool:
