@@ -161,6 +161,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
     # damage is reported by the checksum check below before any error of the decoder.
     malformed: CorruptBlobError | None = None
     raw_crc = 0
+    unchecked = 0  # start of the stored bytes not yet in raw_crc: runs of streams that
+    # raw_crc covers are contiguous, and one crc32 call per run costs less than several
     for j, ((method, n), stream_len) in enumerate(zip(entry.streams, lengths, strict=True)):
         chunk: Any = streams[j]
         if method == METHOD_ZSTD:
@@ -168,6 +170,9 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             # allocator reuses frame after frame; a stream reader's readinto() would copy
             # every stream once more through zstd's window buffer (measured slower).
             streams[j] = _decompress(chunk, stream_len, i, version)
+            if version >= 2:
+                raw_crc = crc32(stored[unchecked:ends[j] - n], raw_crc)
+            unchecked = ends[j]
             continue
         if version >= VERSION_HUF and method == METHOD_HUF:
             decoded = scratch(f"huf{j}", stream_len)[:stream_len]
@@ -183,8 +188,8 @@ def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset
             streams[j] = filled
         elif method != METHOD_RAW or n != stream_len:
             raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
-        if version >= 2:
-            raw_crc = crc32(chunk, raw_crc)
+    if version >= 2:
+        raw_crc = crc32(stored[unchecked:], raw_crc)
     if version >= 2 and raw_crc != entry.raw_crc:
         raise CorruptBlobError(f"codec blob frame {i} is corrupted (checksum mismatch in a "
                                "stream stored raw or Huffman-coded)")
