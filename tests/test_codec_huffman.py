@@ -3,6 +3,7 @@ against the format's reference decoder, malformed streams, and blobs that use it
 
 from __future__ import annotations
 
+import gc
 import struct
 import zlib
 
@@ -166,12 +167,20 @@ def test_huffman_method_in_an_older_version_is_refused():
 
 def test_decoded_tensor_does_not_share_the_decoder_scratch():
     # The exponent stream is decoded into per-thread scratch; what decode returns must own
-    # its memory: a second decode (same thread, same scratch) leaves the first intact.
+    # its memory: it stays intact once its blob is gone and the same scratch has been
+    # reused by other decodes (of every planar dtype, on this thread).
     g = torch.Generator().manual_seed(8)
-    x, y = torch.randn(300_000, generator=g), torch.randn(300_000, generator=g) * 100
-    first = codec.decode(codec.encode(x), threads=1)
-    second = codec.decode(codec.encode(y), threads=1)
-    assert raw(first) == raw(x) and raw(second) == raw(y)
+    x = torch.randn(300_000, generator=g)
+    blob = codec.encode(x)
+    first = codec.decode(blob, threads=1)
+    del blob
+    gc.collect()
+    for other in (torch.randn(300_000, generator=g) * 100, x.bfloat16() * 3, x[:70_000] - 1):
+        assert raw(codec.decode(codec.encode(other), threads=1)) == raw(other)
+    gc.collect()
+    assert raw(first) == raw(x)
+    first.mul_(2)  # ordinary, writable memory of its own
+    assert torch.equal(first, x * 2)
 
 
 def test_prefetch_hint_changes_nothing():

@@ -240,12 +240,15 @@ def test_kernel_crc32_equals_zlib_on_large_buffers():
 
 
 SSE2_CHECK = """
-import zlib, numpy as np
+import os, zlib, numpy as np
 from ray_checkfreq.codec import _kernels, layout, planar
-assert (_kernels.avx2, _kernels.clmul) == (0, 0)
+if os.environ.get("RAY_CHECKFREQ_CODEC_NO_AVX2"):
+    assert (_kernels.avx2, _kernels.avx512, _kernels.clmul) == (0, 0, 0)
+else:
+    assert _kernels.avx512 == 0
 rng = np.random.default_rng(5)
 for width in (2, 4):
-    for n in (1, 15, 16, 33, 100, 2047, 2048, 5001):
+    for n in (1, 15, 16, 33, 63, 64, 100, 127, 2047, 2048, 5001):
         for kind in ("random", "normal"):
             data = (rng.integers(0, 256, n * width, dtype=np.uint8) if kind == "random" else
                     (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> (16 if width == 2 else 0))
@@ -271,6 +274,15 @@ def test_sse2_kernels_without_avx2_equal_the_numpy_definition():
     # The AVX2 and carry-less multiply paths are chosen at import; this checks the SSE2 and
     # table paths that CPUs without them run.
     env = dict(os.environ, RAY_CHECKFREQ_CODEC_NO_AVX2="1")
+    done = subprocess.run([sys.executable, "-c", SSE2_CHECK], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_avx2_kernels_without_avx512_equal_the_numpy_definition():
+    if not getattr(layout._kernels, "avx2", 0):
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, RAY_CHECKFREQ_CODEC_NO_AVX512="1")
     done = subprocess.run([sys.executable, "-c", SSE2_CHECK], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -436,13 +436,108 @@ static Py_ssize_t e8_split16_simd(const uint16_t *w, Py_ssize_t count, uint32_t 
                                   m2, nib + done / 2, p + done / 4);
 }
 
+#ifdef HAVE_AVX2_DISPATCH
+/* AVX-512 (BW and VBMI) versions of the merge loops, 64 elements at a time, used when
+ * the CPU has them: whole-register byte permutes (vpermb, vpermt2b/w) spread the packed
+ * fields and interleave the output bytes, so no lane fix-ups are needed. */
+static int use_avx512;
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+#define Z8(v) _mm512_set1_epi8((char)(v))
+static uint8_t idx_half[64], idx_quarter[64], idx_pairs_lo[64], idx_pairs_hi[64];
+static uint16_t idx_words_lo[32], idx_words_hi[32];
+
+static void avx512_tables_init(void) {
+    for (int j = 0; j < 64; j++) {
+        idx_half[j] = (uint8_t)(j / 2);
+        idx_quarter[j] = (uint8_t)(j / 4);
+        /* bytes of elements 0-31 (lo) or 32-63 (hi) of two sources, alternating */
+        idx_pairs_lo[j] = (uint8_t)(j / 2 + (j % 2 ? 64 : 0));
+        idx_pairs_hi[j] = (uint8_t)(32 + j / 2 + (j % 2 ? 64 : 0));
+    }
+    for (int j = 0; j < 32; j++) { /* 16-bit pairs of elements 0-15 (lo) or 16-31 (hi) */
+        idx_words_lo[j] = (uint16_t)(j / 2 + (j % 2 ? 32 : 0));
+        idx_words_hi[j] = (uint16_t)(16 + j / 2 + (j % 2 ? 32 : 0));
+    }
+}
+
+AVX512 static inline __m512i srl8z(__m512i x, int n) {
+    return _mm512_and_si512(_mm512_srli_epi16(x, (unsigned)n), Z8(0xFF >> n));
+}
+AVX512 static inline __m512i sll8z(__m512i x, int n) {
+    return _mm512_and_si512(_mm512_slli_epi16(x, (unsigned)n), Z8((0xFF << n) & 0xFF));
+}
+AVX512 static inline __m512i expand2z(const uint8_t *src) { /* 16 bytes of 2-bit fields -> 64 */
+    __m512i x = _mm512_permutexvar_epi8(_mm512_loadu_si512(idx_quarter),
+                                        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)src)));
+    __mmask64 b0 = _mm512_test_epi8_mask(x, _mm512_set1_epi32(0x40100401));
+    __mmask64 b1 = _mm512_test_epi8_mask(x, _mm512_set1_epi32((int)0x80200802u));
+    return _mm512_or_si512(_mm512_maskz_mov_epi8(b0, Z8(1)), _mm512_maskz_mov_epi8(b1, Z8(2)));
+}
+AVX512 static inline __m512i expand_nibz(const uint8_t *src) { /* 32 bytes -> 64 nibbles */
+    __m512i x = _mm512_permutexvar_epi8(_mm512_loadu_si512(idx_half),
+                                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)src)));
+    return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_and_si512(x, Z8(15)), srl8z(x, 4));
+}
+
+#define E8_UNFIELDSZ(OFF)                                                                \
+    __m512i tt = _mm512_loadu_si512(t + i);                                              \
+    __m512i r = _mm512_or_si512(expand_nibz(nib + i / 2), sll8z(expand2z(p + i / 4), 4)); \
+    __m512i e = _mm512_add_epi8(_mm512_or_si512(sll8z(expand2z(k + i / 4), 6), srl8z(tt, 2)), \
+                                OFF);                                                    \
+    __m512i hi = _mm512_or_si512(sll8z(_mm512_and_si512(r, Z8(1)), 7), srl8z(e, 1));     \
+    __m512i lo = _mm512_or_si512(sll8z(_mm512_and_si512(e, Z8(1)), 7),                   \
+                                 sll8z(_mm512_and_si512(tt, Z8(3)), 5));
+
+AVX512 static Py_ssize_t e8_merge32_avx512(uint32_t *w, Py_ssize_t count, uint32_t off,
+                                           const uint8_t *t, const uint8_t *k,
+                                           const uint8_t *m1, const uint8_t *m2,
+                                           const uint8_t *nib, const uint8_t *p) {
+    const __m512i OFF = Z8(off);
+    const __m512i plo = _mm512_loadu_si512(idx_pairs_lo), phi = _mm512_loadu_si512(idx_pairs_hi);
+    const __m512i wlo = _mm512_loadu_si512(idx_words_lo), whi = _mm512_loadu_si512(idx_words_hi);
+    Py_ssize_t i = 0;
+    for (; i + 64 <= count; i += 64) {
+        E8_UNFIELDSZ(OFF)
+        __m512i a = _mm512_loadu_si512(m1 + i), c = _mm512_loadu_si512(m2 + i);
+        __m512i b0 = _mm512_or_si512(sll8z(_mm512_and_si512(c, Z8(7)), 5), srl8z(r, 1));
+        __m512i b1 = _mm512_or_si512(sll8z(_mm512_and_si512(a, Z8(7)), 5), srl8z(c, 3));
+        __m512i b2 = _mm512_or_si512(lo, srl8z(a, 3));
+        __m512i p01l = _mm512_permutex2var_epi8(b0, plo, b1), p01h = _mm512_permutex2var_epi8(b0, phi, b1);
+        __m512i p23l = _mm512_permutex2var_epi8(b2, plo, hi), p23h = _mm512_permutex2var_epi8(b2, phi, hi);
+        _mm512_storeu_si512(w + i, _mm512_permutex2var_epi16(p01l, wlo, p23l));
+        _mm512_storeu_si512(w + i + 16, _mm512_permutex2var_epi16(p01l, whi, p23l));
+        _mm512_storeu_si512(w + i + 32, _mm512_permutex2var_epi16(p01h, wlo, p23h));
+        _mm512_storeu_si512(w + i + 48, _mm512_permutex2var_epi16(p01h, whi, p23h));
+    }
+    return i;
+}
+
+AVX512 static Py_ssize_t e8_merge16_avx512(uint16_t *w, Py_ssize_t count, uint32_t off,
+                                           const uint8_t *t, const uint8_t *k,
+                                           const uint8_t *nib, const uint8_t *p) {
+    const __m512i OFF = Z8(off);
+    const __m512i plo = _mm512_loadu_si512(idx_pairs_lo), phi = _mm512_loadu_si512(idx_pairs_hi);
+    Py_ssize_t i = 0;
+    for (; i + 64 <= count; i += 64) {
+        E8_UNFIELDSZ(OFF)
+        __m512i b0 = _mm512_or_si512(lo, srl8z(r, 1));
+        _mm512_storeu_si512(w + i, _mm512_permutex2var_epi8(b0, plo, hi));
+        _mm512_storeu_si512(w + i + 32, _mm512_permutex2var_epi8(b0, phi, hi));
+    }
+    return i;
+}
+#endif
+
 static Py_ssize_t e8_merge32_simd(uint32_t *w, Py_ssize_t count, uint32_t off,
                                   const uint8_t *t, const uint8_t *k, const uint8_t *m1,
                                   const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
     Py_ssize_t done = 0;
 #ifdef HAVE_AVX2_DISPATCH
+    if (use_avx512)
+        done = e8_merge32_avx512(w, count, off, t, k, m1, m2, nib, p);
     if (use_avx2)
-        done = e8_merge32_avx2(w, count, off, t, k, m1, m2, nib, p);
+        done += e8_merge32_avx2(w + done, count - done, off, t + done, k + done / 4,
+                                m1 + done, m2 + done, nib + done / 2, p + done / 4);
 #endif
     return done + e8_merge32_sse2(w + done, count - done, off, t + done, k + done / 4,
                                   m1 + done, m2 + done, nib + done / 2, p + done / 4);
@@ -453,8 +548,11 @@ static Py_ssize_t e8_merge16_simd(uint16_t *w, Py_ssize_t count, uint32_t off,
                                   const uint8_t *m2, const uint8_t *nib, const uint8_t *p) {
     Py_ssize_t done = 0;
 #ifdef HAVE_AVX2_DISPATCH
+    if (use_avx512)
+        done = e8_merge16_avx512(w, count, off, t, k, nib, p);
     if (use_avx2)
-        done = e8_merge16_avx2(w, count, off, t, k, nib, p);
+        done += e8_merge16_avx2(w + done, count - done, off, t + done, k + done / 4,
+                                nib + done / 2, p + done / 4);
 #endif
     return done + e8_merge16_sse2(w + done, count - done, off, t + done, k + done / 4, m1,
                                   m2, nib + done / 2, p + done / 4);
@@ -1448,12 +1546,18 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernels", "Byte-layout kernels of the codec.", -1, methods,
 };
 
-/* RAY_CHECKFREQ_CODEC_NO_AVX2 (any value) keeps both AVX2 and carry-less multiply off: the
- * tests use it to run the SSE2 and byte-table paths that older CPUs take. */
+/* RAY_CHECKFREQ_CODEC_NO_AVX2 (any value) keeps AVX2, AVX-512, BMI2 and carry-less multiply
+ * off: the tests use it to run the SSE2 and byte-table paths that older CPUs take;
+ * RAY_CHECKFREQ_CODEC_NO_AVX512 keeps only AVX-512 off (the AVX2 paths). */
 PyMODINIT_FUNC PyInit__kernels(void) {
 #ifdef HAVE_AVX2_DISPATCH
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
+    use_avx512 = use_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                 && __builtin_cpu_supports("avx512vbmi")
+                 && getenv("RAY_CHECKFREQ_CODEC_NO_AVX512") == NULL;
+    if (use_avx512)
+        avx512_tables_init();
     use_bmi2 = __builtin_cpu_supports("bmi2") && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
     use_vpclmul = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx2")
                   && getenv("RAY_CHECKFREQ_CODEC_NO_AVX2") == NULL;
@@ -1465,6 +1569,16 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (m != NULL && PyModule_AddIntConstant(m, "clmul",
 #ifdef HAVE_AVX2_DISPATCH
                                              use_clmul
+#else
+                                             0
+#endif
+                                             ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (m != NULL && PyModule_AddIntConstant(m, "avx512",
+#ifdef HAVE_AVX2_DISPATCH
+                                             use_avx512
 #else
                                              0
 #endif
