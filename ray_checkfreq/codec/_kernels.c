@@ -1087,60 +1087,40 @@ static Py_ssize_t huf_encode(const uint8_t *src, Py_ssize_t n, const uint8_t *le
 /* Decoding table, for every value of the next HUF_MAX_BITS bits: up to 3 symbols (bits
  * 0-23, stored as they are), bits consumed (24-29), number of symbols (30-31). A shift by
  * entry >> 24 consumes the bits (shifts use only the low 6 bits of their count). */
-#ifdef HAVE_AVX2_DISPATCH
-/* The loop of huf_table below, 8 entries at a time (gathers from `single`). */
-AVX2 static void huf_table_avx2(const uint32_t *single, uint32_t *table) {
-    const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), ff = _mm256_set1_epi32(0xFF);
-    const __m256i limit = _mm256_set1_epi32(HUF_MAX_BITS + 1), one = _mm256_set1_epi32(1);
-    for (int i = 0; i < (1 << HUF_MAX_BITS); i += 8) {
-        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(i), step);
-        __m256i e1 = _mm256_i32gather_epi32((const int *)single, idx, 4);
-        __m256i l1 = _mm256_srli_epi32(e1, 8);
-        __m256i r1 = _mm256_srlv_epi32(idx, l1);
-        __m256i e2 = _mm256_i32gather_epi32((const int *)single, r1, 4);
-        __m256i l2 = _mm256_srli_epi32(e2, 8);
-        __m256i r2 = _mm256_srlv_epi32(r1, l2);
-        __m256i e3 = _mm256_i32gather_epi32((const int *)single, r2, 4);
-        __m256i l3 = _mm256_srli_epi32(e3, 8);
-        __m256i ok2 = _mm256_cmpgt_epi32(limit, _mm256_add_epi32(l1, l2));
-        __m256i ok3 = _mm256_and_si256(
-            ok2, _mm256_cmpgt_epi32(limit, _mm256_add_epi32(_mm256_add_epi32(l1, l2), l3)));
-        __m256i syms = _mm256_or_si256(
-            _mm256_and_si256(e1, ff),
-            _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(_mm256_and_si256(e2, ff), 8), ok2),
-                            _mm256_and_si256(_mm256_slli_epi32(_mm256_and_si256(e3, ff), 16), ok3)));
-        __m256i used = _mm256_add_epi32(
-            l1, _mm256_add_epi32(_mm256_and_si256(l2, ok2), _mm256_and_si256(l3, ok3)));
-        __m256i nsym = _mm256_sub_epi32(_mm256_sub_epi32(one, ok2), ok3); /* masks are -1 */
-        __m256i entry = _mm256_or_si256(
-            syms, _mm256_or_si256(_mm256_slli_epi32(used, 24), _mm256_slli_epi32(nsym, 30)));
-        _mm256_storeu_si256((__m256i *)(table + i), entry);
-    }
-}
-#endif
-
 static void huf_table(const uint8_t *len, const uint16_t *code, uint32_t *table) {
-    uint32_t single[1 << HUF_MAX_BITS]; /* symbol | length << 8 */
+    /* The codes by length: for each first code, the entries whose low bits are it get
+     * that symbol; then, for each second code that fits in the bits left, the entries
+     * whose next bits are it get both; then likewise a third. The code is complete and
+     * prefix-free, so every entry is written at level 1 and overwritten by the deepest
+     * level that fits; each level writes at most 2^HUF_MAX_BITS entries (measured faster
+     * than looking up each entry's codes, with or without AVX2 gathers). */
+    uint8_t sym[256];
+    int at[HUF_MAX_BITS + 2] = {0}, m;
+    for (int s = 0; s < 256; s++) /* counting sort by length; length 0 (absent) last */
+        at[len[s] ? len[s] + 1 : 0]++;
+    m = 256 - at[0];
+    at[0] = 0;
+    for (int l = 1; l <= HUF_MAX_BITS + 1; l++)
+        at[l] += at[l - 1];
     for (int s = 0; s < 256; s++)
         if (len[s])
-            for (uint32_t i = code[s]; i < (1u << HUF_MAX_BITS); i += 1u << len[s])
-                single[i] = (uint32_t)(s | len[s] << 8);
-#ifdef HAVE_AVX2_DISPATCH
-    if (use_avx2) {
-        huf_table_avx2(single, table);
-        return;
-    }
-#endif
-    /* Straight-line: the second and third codes count when they fit (the bits beyond
-     * the window read as zeros, and a code that reaches into them never fits). */
-    for (uint32_t i = 0; i < (1u << HUF_MAX_BITS); i++) {
-        uint32_t e1 = single[i], l1 = e1 >> 8;
-        uint32_t r1 = i >> l1, e2 = single[r1], l2 = e2 >> 8;
-        uint32_t r2 = r1 >> l2, e3 = single[r2], l3 = e3 >> 8;
-        uint32_t ok2 = l1 + l2 <= HUF_MAX_BITS, ok3 = ok2 & (l1 + l2 + l3 <= HUF_MAX_BITS);
-        uint32_t syms = (e1 & 0xFFu) | (ok2 * (e2 & 0xFFu)) << 8 | (ok3 * (e3 & 0xFFu)) << 16;
-        uint32_t used = l1 + ok2 * l2 + ok3 * l3, nsym = 1 + ok2 + ok3;
-        table[i] = syms | used << 24 | nsym << 30;
+            sym[at[len[s]]++] = (uint8_t)s;
+    const uint32_t size = 1u << HUF_MAX_BITS;
+    for (int a = 0; a < m; a++) {
+        uint32_t s1 = sym[a], l1 = len[s1], base1 = code[s1];
+        for (uint32_t i = base1; i < size; i += 1u << l1)
+            table[i] = s1 | l1 << 24 | 1u << 30;
+        for (int b = 0; b < m && l1 + len[sym[b]] <= HUF_MAX_BITS; b++) {
+            uint32_t s2 = sym[b], l12 = l1 + len[s2], base2 = base1 | (uint32_t)code[s2] << l1;
+            for (uint32_t i = base2; i < size; i += 1u << l12)
+                table[i] = s1 | s2 << 8 | l12 << 24 | 2u << 30;
+            for (int c = 0; c < m && l12 + len[sym[c]] <= HUF_MAX_BITS; c++) {
+                uint32_t s3 = sym[c], l123 = l12 + len[s3];
+                uint32_t base3 = base2 | (uint32_t)code[s3] << l12;
+                for (uint32_t i = base3; i < size; i += 1u << l123)
+                    table[i] = s1 | s2 << 8 | s3 << 16 | l123 << 24 | 3u << 30;
+            }
+        }
     }
 }
 

@@ -16,7 +16,7 @@ decode. The C decoder here looks up L bits at a time and emits every whole code 
 hold (up to 3; about 2.6 for the T streams of trained weights) from 4 independent lanes:
 1.2x zstd's speed on MiniLM's T streams (median of 15 alternating runs), and it prefetches
 the frame's other streams meanwhile, so that their checksum pass reads them from cache.
-Its table is built for every stream (about 20 us). The ratio is the same (MiniLM T
+Its table is built for every stream (15-20 us here). The ratio is the same (MiniLM T
 streams: 13.02 MB against zstd's 13.01 for float32, 13.05 against 13.01 for bfloat16);
 encoding runs at 0.8-0.9x zstd's speed. Streams with runs (zero rows, XOR deltas) stay
 with zstd, whose matches code them in far less than one bit per byte (the C encoder
