@@ -1546,33 +1546,16 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #endif
     crc_table_init();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "clmul",
+    /* Which paths this CPU takes, for the tests and the benchmarks to report. */
+    int clmul = 0, avx512 = 0, avx2 = 0;
 #ifdef HAVE_AVX2_DISPATCH
-                                             use_clmul
-#else
-                                             0
+    clmul = use_clmul;
+    avx512 = use_avx512;
+    avx2 = use_avx2;
 #endif
-                                             ) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (m != NULL && PyModule_AddIntConstant(m, "avx512",
-#ifdef HAVE_AVX2_DISPATCH
-                                             use_avx512
-#else
-                                             0
-#endif
-                                             ) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (m != NULL && PyModule_AddIntConstant(m, "avx2",
-#ifdef HAVE_AVX2_DISPATCH
-                                             use_avx2
-#else
-                                             0
-#endif
-                                             ) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "clmul", clmul) < 0
+                      || PyModule_AddIntConstant(m, "avx512", avx512) < 0
+                      || PyModule_AddIntConstant(m, "avx2", avx2) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
