@@ -52,7 +52,7 @@ def test_bench_codec_on_a_given_file(tmp_path):
     source = tmp_path / "tiny.safetensors"
     save_file({"a": torch.randn(64, 64), "b": torch.randn(300)}, str(source))
     out = tmp_path / "codec.json"
-    assert main(["bench", "codec", "--input", str(source), "--repeats", "2", "--json", str(out)]) == 0
+    assert main(["bench", "codec", "--input", str(source), "--repeats", "2", "--no-delta", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     ours = [r for r in figures["rows"] if r["method"] == "ours"]
     assert ours and all(r["bit_identical"] and r["input_unchanged"] for r in ours)
@@ -60,6 +60,15 @@ def test_bench_codec_on_a_given_file(tmp_path):
                for r in figures["rows"])
     if any(r["method"].startswith("zipnn") for r in figures["rows"]):
         assert {p["baseline"] for p in figures["paired_speedups"]} == {"zipnn-0.5.4", "zipnn/tensor"}
+
+
+def test_the_delta_between_two_training_checkpoints_round_trips_and_stores_less_than_a_full_encode():
+    from ray_checkfreq.bench.codec import delta_case
+
+    delta = delta_case(steps_apart=2, warmup=1)  # the command's default: 10 steps after 20
+    assert delta["bit_identical"]
+    for part in ("model", "checkpoint"):
+        assert delta[part]["delta_ratio_pct"] < delta[part]["full_ratio_pct"] < 100, delta
 
 
 def test_bench_codec_interleaves_the_methods_round_by_round_in_alternating_order():

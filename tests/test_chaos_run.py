@@ -35,19 +35,20 @@ def chaos(tmp_path, cache_dir, *args: str) -> tuple[dict, str]:
 
 
 def test_mixed_preemptions_on_a_fixed_world_end_bit_identical_with_every_sample_once(tmp_path, cache_dir):
-    report, output = chaos(tmp_path, cache_dir, "--preemptions", "4", "--kinds", "persist,notice,commit,node",
+    report, output = chaos(tmp_path, cache_dir, "--preemptions", "3", "--kinds", "persist,notice,commit",
                            "--png", str(tmp_path / "timeline.png"))
     assert report["finished"] and not report["injector_errors"], output
     outcomes = report["detail"]["preemptions"]
-    assert [o["kind"] for o in outcomes] == ["persist", "notice", "commit", "node"], output
+    assert [o["kind"] for o in outcomes] == ["persist", "notice", "commit"], output
     assert all(o["restarted"] for o in outcomes), output
-    assert report["preemptions_survived"] == 4
+    assert report["preemptions_survived"] == 3
     assert report["identical_to_uninterrupted"] is True, output
     assert report["samples_lost"] == 0 and report["samples_repeated"] == 0, output
     assert report["k_max"] == 4 and report["lost_iterations_max"] <= 2 * report["k_max"], output
     assert next(o for o in outcomes if o["kind"] == "notice")["lost_iterations"] == 0, output
-    # the world size stayed fixed: both lost nodes were replaced
-    assert report["nodes_replaced"] == 2 and {a["world_size"] for a in report["detail"]["attempts"]} == {2}
+    # the world size stayed fixed: the drained node was replaced (a node lost without notice:
+    # the elastic run below, and tests/test_ray_train.py)
+    assert report["nodes_replaced"] == 1 and {a["world_size"] for a in report["detail"]["attempts"]} == {2}
     # restarts began at a checkpoint, not from scratch
     assert all(o["restored_step"] > 0 for o in outcomes), output
     assert "final weights identical to an uninterrupted run: yes" in output

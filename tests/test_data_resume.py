@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 from data_fixtures import (
@@ -40,6 +42,9 @@ def make(request):
     if kind == "index":
         source, extra = N, {}
     elif kind == "torch":
+        # Workers fork from a forkserver that has imported torch once, instead of each
+        # importing it anew (seconds per worker, dozens of workers in this module).
+        multiprocessing.set_forkserver_preload(["torch", "data_fixtures", "ray_checkfreq.data.torch_loader"])
         options = TorchLoaderOptions(num_workers=2, multiprocessing_context="forkserver")
         source, extra = SquaresDataset(N), dict(transform=jitter_sample, options=options)
     elif kind == "dali":

@@ -27,11 +27,26 @@ RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30", "RAY_DEDUP_LOGS": "0"
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
-def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _example_command(name: str, *args: str) -> tuple[list[str], dict[str, str]]:
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_ENV)
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return [sys.executable, str(EXAMPLES / name), *args], env
+
+
+def run_example(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command, env = _example_command(name, *args)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def start_example(name: str, *args: str) -> subprocess.Popen:
+    """The example running beside the test (collect it with ``finish_example``)."""
+    command, env = _example_command(name, *args)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish_example(child: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    stdout, stderr = child.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 def succeeded(done: subprocess.CompletedProcess) -> str:
@@ -49,15 +64,20 @@ def crash_then_resume(name: str, tmp_path: Path, crash_at: int, k: int, *args: s
     """Kill the example at ``crash_at``, rerun it; the rerun resumes at the newest commit and ends
     with the weights of an uninterrupted run."""
     storage = str(tmp_path / "ckpt")
-    crashed = run_example(name, "--storage", storage, "--crash-at", str(crash_at), "--every", str(k), *args)
-    assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-2000:] + crashed.stderr[-3000:]
-    newest = CheckpointStore(storage).latest()
-    assert newest is not None and 0 < newest.step <= crash_at
-    assert crash_at - newest.step <= 2 * k
-    resumed = succeeded(run_example(name, "--storage", storage, "--every", str(k), *args))
-    assert int(found(r"started at iteration (\d+)", resumed).group(1)) == newest.step
-    whole = succeeded(run_example(name, "--storage", str(tmp_path / "whole"), "--every", str(k), *args))
-    assert found(r"started at iteration (\d+)", whole).group(1) == "0"
+    # The uninterrupted run shares no file with the other two: it runs beside them.
+    uninterrupted = start_example(name, "--storage", str(tmp_path / "whole"), "--every", str(k), *args)
+    try:
+        crashed = run_example(name, "--storage", storage, "--crash-at", str(crash_at), "--every", str(k), *args)
+        assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-2000:] + crashed.stderr[-3000:]
+        newest = CheckpointStore(storage).latest()
+        assert newest is not None and 0 < newest.step <= crash_at
+        assert crash_at - newest.step <= 2 * k
+        resumed = succeeded(run_example(name, "--storage", storage, "--every", str(k), *args))
+        assert int(found(r"started at iteration (\d+)", resumed).group(1)) == newest.step
+        whole = succeeded(finish_example(uninterrupted))
+        assert found(r"started at iteration (\d+)", whole).group(1) == "0"
+    finally:
+        uninterrupted.kill()
     digest = r"weights digest ([0-9a-f]{16})"
     assert found(digest, resumed).group(1) == found(digest, whole).group(1)
 

@@ -29,19 +29,42 @@ DEMO_RESUME_TEST = "tests/test_demo.py::test_demo_resumes_at_the_newest_checkpoi
 REASON = "not at the newest committed checkpoint"
 
 
-def _run_under(mutant: str, node_ids: tuple[str, ...], tmp_path: Path) -> dict[str, str | None]:
-    """Run the tests with the mutant on; {node id: failure text, or None if it passed}."""
-    report = tmp_path / "report.xml"
+MUTANT_RUNS = {
+    "restore-noop": (*ENGINE_RESUME_TESTS, DEMO_RESUME_TEST),
+    "restore-previous": ENGINE_RESUME_TESTS,
+}
+
+
+def _start_under(mutant: str, node_ids: tuple[str, ...], tmp_path: Path) -> subprocess.Popen:
+    """A pytest child running ``node_ids`` with the mutant on."""
     env = {**os.environ, "RAY_CHECKFREQ_MUTANT": mutant,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(MUTANTS), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base"),
-         f"--junit-xml={report}", *node_ids],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
+         f"--junit-xml={tmp_path / 'report.xml'}", *node_ids],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert f"mutant active: {mutant}" in result.stderr, "the mutant was not loaded:\n" + result.stderr[-2000:]
-    assert result.returncode == 1, f"pytest exited with {result.returncode}:\n{result.stdout[-3000:]}"
-    return _outcomes(report)
+
+
+@pytest.fixture(scope="module")
+def mutant_runs(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Both mutants' children, started together (two cores, no shared files); each test waits for its own."""
+    runs = {}
+    for mutant, node_ids in MUTANT_RUNS.items():
+        directory = tmp_path_factory.mktemp(mutant)
+        runs[mutant] = (_start_under(mutant, node_ids, directory), directory)
+    yield runs
+    for child, _ in runs.values():
+        child.kill()
+
+
+def _finish(mutant: str, runs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, str | None]:
+    """{node id: failure text, or None if it passed} of the mutant's child."""
+    child, directory = runs[mutant]
+    stdout, stderr = child.communicate(timeout=420)
+    assert f"mutant active: {mutant}" in stderr, "the mutant was not loaded:\n" + stderr[-2000:]
+    assert child.returncode == 1, f"pytest exited with {child.returncode}:\n{stdout[-3000:]}"
+    return _outcomes(directory / "report.xml")
 
 
 def _outcomes(report: Path) -> dict[str, str | None]:
@@ -55,12 +78,9 @@ def _outcomes(report: Path) -> dict[str, str | None]:
     return outcomes
 
 
-@pytest.mark.parametrize(("mutant", "node_ids"), [
-    ("restore-noop", (*ENGINE_RESUME_TESTS, DEMO_RESUME_TEST)),
-    ("restore-previous", ENGINE_RESUME_TESTS),
-])
-def test_every_resume_check_fails_when_restore_does_not_resume_from_the_newest(mutant, node_ids, tmp_path):
-    outcomes = _run_under(mutant, node_ids, tmp_path)
+@pytest.mark.parametrize(("mutant", "node_ids"), MUTANT_RUNS.items())
+def test_every_resume_check_fails_when_restore_does_not_resume_from_the_newest(mutant, node_ids, mutant_runs):
+    outcomes = _finish(mutant, mutant_runs)
     assert set(outcomes) == set(node_ids), f"ran {sorted(outcomes)}"
     for node_id, failure in outcomes.items():
         assert failure is not None, f"{node_id} passed with restore() broken ({mutant})"
