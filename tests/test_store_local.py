@@ -360,3 +360,35 @@ def test_a_local_pyarrow_filesystem_is_fsynced(tmp_path, monkeypatch):
     # two shards, the manifest, the writer marker, and their directories
     assert len(synced) >= 6
     assert torch.equal(CheckpointStore(str(tmp_path / "arrow")).load()["a"], torch.ones(2048))
+
+
+@pytest.mark.parametrize("arrow", [False, True])
+def test_a_local_store_writes_one_shard_at_a_time_whatever_io_threads_says(tmp_path, arrow):
+    """Parallel writes into one local filesystem cost kernel CPU beside training and gain nothing."""
+    import threading
+    import time
+
+    from pyarrow import fs as pafs
+
+    store = CheckpointStore(str(tmp_path / "s"), filesystem=pafs.LocalFileSystem() if arrow else None,
+                            shard_size_bytes=4096, io_threads=4, codec="raw")
+    writing, most = [0], [0]
+    lock = threading.Lock()
+    real_write = store.backend.write
+
+    def counted_write(rel_path, chunks):
+        with lock:
+            writing[0] += 1
+            most[0] = max(most[0], writing[0])
+        time.sleep(0.05)  # long enough for the other threads of a pool to start theirs
+        try:
+            real_write(rel_path, chunks)
+        finally:
+            with lock:
+                writing[0] -= 1
+
+    store.backend.write = counted_write
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}  # 4 shards of 4 KiB
+    store.save(1, state)
+    assert most[0] == 1
+    assert torch.equal(CheckpointStore(str(tmp_path / "s")).load()["t3"], state["t3"])

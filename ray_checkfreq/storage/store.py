@@ -341,7 +341,8 @@ class CheckpointStore:
                           history_trim: dict | None = None) -> Manifest:
         self.backend.make_dir(name)
         plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
-        with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-write") as pool:
+        threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
+        with ThreadPoolExecutor(threads, thread_name_prefix="rcf-write") as pool:
             results = list(pool.map(
                 lambda item: self._write_shard(name, item[0], item[1], flat, options, base), plan.items()
             ))

@@ -15,6 +15,8 @@ from typing import Any
 
 class Backend(ABC):
     root_uri: str
+    # At most this many shard files written at once (None: the store's io_threads).
+    max_parallel_writes: int | None = None
 
     def uri(self, rel: str) -> str:
         return f"{self.root_uri.rstrip('/')}/{rel}" if rel else self.root_uri

@@ -14,6 +14,11 @@ from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 
 
 class PosixBackend(Backend):
+    # Parallel writes into one local filesystem are no faster, and cost kernel CPU that a
+    # persist takes from training (96 MiB in 2 shards, 4 threads against 1: the same wall
+    # time, about 110 against 65 ms of system CPU).
+    max_parallel_writes = 1
+
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.root_uri = self.root
