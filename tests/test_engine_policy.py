@@ -246,8 +246,16 @@ def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measu
     assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
     assert window.record_busy(1.1, persist_busy=False)
     assert not window.needs_warm_measurement()
-    measured = window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10)
-    assert measured.interference_s == pytest.approx(11 * 0.1)
+    assert window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10) is None, "1 of 3 warm samples"
+    for busy_s, persist_s in ((1.5, 0.9), (1.2, 0.6)):  # a noisy sample, then a typical one
+        window.start_measuring("raw")
+        assert not window.needs_warm_measurement()
+        assert not any(window.record_busy(busy_s, persist_busy=False) for _ in range(9))
+        assert window.record_busy(busy_s, persist_busy=False)
+        measured = window.finish_measuring(copy_s=0.1, persist_s=persist_s, size_bytes=10)
+    # the median of the three warm samples: 10 x 0.1, 10 x 0.5 and 10 x 0.2 s lost
+    assert measured is not None and measured.interference_s == pytest.approx(10 * 0.2)
+    assert measured.persist_s == pytest.approx(0.6)
     assert not window.measuring and window.measured["raw"] == measured
     window.start_measuring("rcfz")
     assert window.needs_warm_measurement(), "each codec gets its own warm measurement"

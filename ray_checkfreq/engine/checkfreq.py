@@ -460,8 +460,12 @@ class CheckFreq:
             assert codec is not None
             profiling.discard_cold()
             return self._start_measuring(at, codec)
+        codec = profiling.codec
         measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
-        self._stats.profiling_s += measured.interference_s
+        if measured is None:
+            assert codec is not None
+            return self._start_measuring(at, codec)
+        self._stats.profiling_s += sum(sample.interference_s for sample in profiling.samples[measured.codec])
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
         decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s)
                      for codec, m in profiling.measured.items()}

@@ -1,10 +1,11 @@
 """The profiling window and the compression trial, as small state machines over timings.
 
-Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then two
+Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then
 real, committed checkpoints per codec tried (the first, cold one only warms buffers and
-files), each persist running beside at least ``MEASURE_ITERS`` training iterations. What
-those iterations lost against quiet ones, stalls included, is the checkpoint's cost as
-training feels it.
+files, then ``WARM_SAMPLES`` warm ones), each persist running beside at least
+``MEASURE_ITERS`` training iterations. What those iterations lost against quiet ones,
+stalls included, is the checkpoint's cost as training feels it; the policy takes the
+median over the warm checkpoints.
 
 Compression trial (``every=k``): the first checkpoint is written raw; compression is
 tried on the next one only where the raw persist outlasted the interval.
@@ -13,6 +14,7 @@ tried on the next one only where the raw persist outlasted the interval.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,10 @@ WARMUP_ITERS = 2
 MIN_TI_SAMPLES = 5
 MEASURE_ITERS = 10
 REFERENCE_ITERS = 10
+# One warm sample is at the mercy of the machine's noise: in `bench ray` (2 busy cores,
+# 200 ms iterations) single samples put the first k anywhere from 6 to 68. The median of
+# three is robust to one outlier.
+WARM_SAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class ProfilingWindow:
     busy: list[float] | None = None
     codec: str | None = None
     measured: dict[str, Measured] = field(default_factory=dict)
+    samples: dict[str, list[Measured]] = field(default_factory=dict)  # warm ones, per codec
     cold: set[str] = field(default_factory=set)  # codecs whose first (cold) checkpoint was discarded
 
     def __post_init__(self) -> None:
@@ -96,16 +103,21 @@ class ProfilingWindow:
         self.cold.add(self.codec)
         self.codec, self.busy = None, None
 
-    def finish_measuring(self, copy_s: float, persist_s: float, size_bytes: int) -> Measured:
+    def finish_measuring(self, copy_s: float, persist_s: float, size_bytes: int) -> Measured | None:
+        """Record this warm checkpoint; once the codec has ``WARM_SAMPLES`` of them, its
+        median figures (None before: measure another)."""
         assert self.codec is not None and self.busy is not None
         # The quiet iterations right before the checkpoint are the reference: on a shared
         # machine the iteration time drifts by more than a checkpoint costs over a window.
         reference = self.quiet[WARMUP_ITERS:][-REFERENCE_ITERS:]
-        result = Measured(codec=self.codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
-                          interference_s=interference_s(reference, self.busy))
-        self.measured[self.codec] = result
+        codec, samples = self.codec, self.samples.setdefault(self.codec, [])
+        samples.append(Measured(codec=codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
+                                interference_s=interference_s(reference, self.busy)))
         self.codec, self.busy = None, None
-        return result
+        if len(samples) < WARM_SAMPLES:
+            return None
+        self.measured[codec] = _median_measurement(samples)
+        return self.measured[codec]
 
     def iter_s(self) -> float:
         return iteration_time_s(self.quiet, warmup=WARMUP_ITERS)
@@ -123,6 +135,14 @@ class ProfilingWindow:
                mtbf_s: float | None) -> tuple[Profile, Decision]:
         profile = self.profile(measured, gpu)
         return profile, choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s)
+
+
+def _median_measurement(samples: list[Measured]) -> Measured:
+    def median(name: str) -> float:
+        return statistics.median(getattr(sample, name) for sample in samples)
+
+    return Measured(codec=samples[0].codec, copy_s=median("copy_s"), persist_s=median("persist_s"),
+                    size_bytes=samples[-1].size_bytes, interference_s=median("interference_s"))
 
 
 @dataclass
