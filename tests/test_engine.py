@@ -151,7 +151,7 @@ class Run:
     executed: int
 
 
-TOTAL = 100  # iterations: the policy profiles over the first ~20-40 (until its persist is done)
+TOTAL = 140  # iterations: the policy profiles over the first ~40-80 (a cold and three warm checkpoints)
 
 
 def _full_run(storage, total, kill_at=None, progress=None) -> Run:

@@ -63,11 +63,23 @@ def test_any_flipped_bit_is_refused(manifest, data):
         decode_manifest(bytes(blob))
 
 
+def test_a_flip_that_keeps_the_meaning_is_refused_too():
+    """Found by the property test above: the case of a hex digit in a \\u escape changes the
+    bytes but not the parsed JSON, so the checksum over the meaning alone missed it."""
+    manifest = Manifest(step=0, epoch_boundary=False, created_unix_ns=0, shards=(), tensors=(),
+                        state={"dict": {}}, meta={"\x1f": 0})
+    blob = encode_manifest(manifest)
+    assert b"\\u001f" in blob
+    with pytest.raises(ManifestError, match="bytes differ"):
+        decode_manifest(blob.replace(b"\\u001f", b"\\u001F"))
+    assert decode_manifest(blob) == manifest
+
+
 def _resigned(manifest: Manifest, edit) -> bytes:
     body = json.loads(encode_manifest(manifest))
     edit(body)
     body["manifest_crc32"] = body_checksum(body)
-    return json.dumps(body).encode()
+    return json.dumps(body, indent=1).encode()  # as the writer writes
 
 
 def _one_tensor() -> Manifest:

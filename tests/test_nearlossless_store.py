@@ -199,4 +199,4 @@ def test_manifest_history_trim_needs_format_version_2(tmp_path):
     from ray_checkfreq.storage.manifest import body_checksum
     body["manifest_crc32"] = body_checksum(body)
     with pytest.raises(ManifestError, match="history_trim in a format version 1"):
-        decode_manifest(json.dumps(body).encode())
+        decode_manifest(json.dumps(body, indent=1).encode())

@@ -193,7 +193,7 @@ def test_checkpoints_written_before_fencing_still_load_and_sort_below_new_ones(t
     body = json.loads((root / old_name / "manifest.json").read_text())
     del body["writer_generation"]
     body["manifest_crc32"] = body_checksum(body)
-    (root / old_name / "manifest.json").write_text(json.dumps(body))
+    (root / old_name / "manifest.json").write_text(json.dumps(body, indent=1))
     for marker in os.listdir(root / "writers"):
         os.unlink(root / "writers" / marker)
 

@@ -230,7 +230,7 @@ def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog,
             body["shards"][0]["name"] = "../../etc/passwd"
             body["tensors"][0]["shard"] = "../../etc/passwd"
             body["manifest_crc32"] = body_checksum(body)  # well-formed, but hostile
-        manifest_path.write_text(json.dumps(body))
+        manifest_path.write_text(json.dumps(body, indent=1))
     caplog.set_level(logging.WARNING, logger="ray_checkfreq.storage")
     assert store.latest() == good
     assert bad.name in caplog.text and reason in caplog.text

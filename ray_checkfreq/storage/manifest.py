@@ -97,6 +97,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
     if manifest.history_trim is not None:
         body["history_trim"] = manifest.history_trim
     body["manifest_crc32"] = body_checksum(body)
+    return _dump(body)
+
+
+def _dump(body: dict) -> bytes:
     return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
 
 
@@ -133,7 +137,13 @@ def decode_manifest(data: bytes) -> Manifest:
     _check_format(body)
     if body.get("manifest_crc32") != body_checksum(body):
         raise ManifestError("manifest checksum mismatch (the file was altered or damaged)")
-    return _build_manifest(body)
+    manifest = _build_manifest(body)
+    # The checksum covers what the JSON means; a flipped bit can change the bytes and not
+    # the meaning (the case of a hex digit in a \u escape). Written manifests are exactly
+    # their own re-encoding, so any other byte is damage too.
+    if _dump(body) != data:
+        raise ManifestError("manifest bytes differ from their encoding (the file was altered or damaged)")
+    return manifest
 
 
 def _check_format(body: dict) -> None:
