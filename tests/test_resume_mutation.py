@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def _start_under(mutant: str, node_ids: tuple[str, ...], tmp_path: Path) -> subp
 
 
 @pytest.fixture(scope="module")
-def mutant_runs(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+def mutant_runs(tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
     """Both mutants' children, started together (two cores, no shared files); each test waits for its own."""
     runs = {}
     for mutant, node_ids in MUTANT_RUNS.items():

@@ -25,8 +25,6 @@ class ArrowBackend(Backend):
         self.fs = filesystem
         self.root = root.rstrip("/")
         self.root_uri = root_uri or f"{filesystem.type_name}://{self.root}"
-        if filesystem.type_name == "local":
-            self.max_parallel_writes = 1  # as PosixBackend's
 
     def _path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
