@@ -151,7 +151,7 @@ class Run:
     executed: int
 
 
-TOTAL = 140  # iterations: the policy profiles over the first ~40-80 (a cold and three warm checkpoints)
+TOTAL = 200  # iterations: the policy profiles over the first ~80-120 (a cold and three warm checkpoints)
 
 
 def _full_run(storage, total, kill_at=None, progress=None) -> Run:

@@ -150,7 +150,14 @@ from ray_checkfreq.engine.policy import (  # noqa: E402
     iteration_time_s,
     quiet_reference_s,
 )
-from ray_checkfreq.engine.profiling import CodecTrial, ProfilingWindow  # noqa: E402
+from ray_checkfreq.engine.profiling import (  # noqa: E402
+    MEASURE_ITERS,
+    REFERENCE_ITERS,
+    REFERENCE_WAIT_ITERS,
+    WARM_SAMPLES,
+    CodecTrial,
+    ProfilingWindow,
+)
 
 
 def test_measured_interference_sets_k_when_it_exceeds_the_papers_stall():
@@ -228,6 +235,18 @@ def test_with_a_fixed_k_compression_is_tried_once_and_only_when_the_persist_outl
     assert slow.decided == "rcfz", "decided once"
 
 
+def fresh_reference(window: ProfilingWindow, iter_s: float) -> None:
+    """The quiet iterations a warm checkpoint waits for: REFERENCE_ITERS of them, no fewer."""
+    assert not any(window.record_quiet(iter_s) for _ in range(REFERENCE_ITERS - 1))
+    assert window.record_quiet(iter_s)
+
+
+def busy_window(window: ProfilingWindow, iter_s: float) -> None:
+    assert not any(window.record_busy(iter_s, persist_busy=False) for _ in range(MEASURE_ITERS - 1))
+    assert not window.record_busy(iter_s, persist_busy=True), "the persist is still running"
+    assert window.record_busy(iter_s, persist_busy=False)
+
+
 def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measures_ten_busy():
     window = ProfilingWindow(quiet_iters=2)  # asked for 2: still 2 warm-up + 5 samples
     times = [9.0, 3.0, 1.0, 1.0, 1.0, 1.0]
@@ -235,22 +254,20 @@ def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measu
     assert window.record_quiet(1.0)
     assert window.iter_s() == 1.0
     window.start_measuring("raw")
-    assert not any(window.record_busy(1.1, persist_busy=False) for _ in range(9))
-    assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
-    assert window.record_busy(1.1, persist_busy=False)
+    busy_window(window, 1.1)
     assert window.needs_warm_measurement(), "a codec's first checkpoint is cold"
     window.discard_cold()
-    assert not window.measuring and not window.measured
+    assert not window.measuring and not window.measured and window.next_codec == "raw"
+    fresh_reference(window, 1.0)
     window.start_measuring("raw")
-    assert not any(window.record_busy(1.1, persist_busy=False) for _ in range(9))
-    assert not window.record_busy(1.1, persist_busy=True), "the persist is still running"
-    assert window.record_busy(1.1, persist_busy=False)
+    busy_window(window, 1.1)
     assert not window.needs_warm_measurement()
     assert window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10) is None, "1 of 3 warm samples"
     for busy_s, persist_s in ((1.5, 0.9), (1.2, 0.6)):  # a noisy sample, then a typical one
+        fresh_reference(window, 1.0)
         window.start_measuring("raw")
         assert not window.needs_warm_measurement()
-        assert not any(window.record_busy(busy_s, persist_busy=False) for _ in range(9))
+        assert not any(window.record_busy(busy_s, persist_busy=False) for _ in range(MEASURE_ITERS - 1))
         assert window.record_busy(busy_s, persist_busy=False)
         measured = window.finish_measuring(copy_s=0.1, persist_s=persist_s, size_bytes=10)
     # the median of the three warm samples: 10 x 0.1, 10 x 0.5 and 10 x 0.2 s lost
@@ -259,3 +276,41 @@ def test_the_profiling_window_takes_ti_from_five_samples_after_warm_up_and_measu
     assert not window.measuring and window.measured["raw"] == measured
     window.start_measuring("rcfz")
     assert window.needs_warm_measurement(), "each codec gets its own warm measurement"
+
+
+def test_where_checkpoint_work_never_stops_a_warm_checkpoint_waits_a_bounded_time():
+    window = ProfilingWindow(quiet_iters=7)
+    assert not any(window.record_quiet(1.0) for _ in range(6))
+    assert window.record_quiet(1.0)
+    window.start_measuring("raw")
+    busy_window(window, 1.5)
+    window.discard_cold()
+    # epoch-end checkpoints keep a persist in flight: no fresh quiet iteration comes
+    assert not any(window.record_waiting() for _ in range(REFERENCE_WAIT_ITERS - 1))
+    assert window.record_waiting()
+    window.start_measuring("raw")
+    busy_window(window, 1.2)
+    window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10)
+    sample = window.samples["raw"][-1]
+    assert sample.reference_s == pytest.approx(1.0)  # the newest quiet iterations there were
+    assert sample.interference_s == pytest.approx(sample.busy_iters * 0.2)
+
+
+def test_each_warm_checkpoint_is_compared_with_the_quiet_iterations_right_before_it():
+    """A slow start (other processes still starting: 1.6 s iterations, then 1.0 s) must not
+    hide the cost: the warm checkpoints lose 0.1 s per busy iteration against 1.0 s."""
+    window = ProfilingWindow(quiet_iters=7)
+    assert not any(window.record_quiet(t) for t in (2.0, 1.8, 1.6, 1.6, 1.6, 1.6))
+    assert window.record_quiet(1.6)
+    window.start_measuring("raw")
+    busy_window(window, 1.7)
+    window.discard_cold()
+    for _ in range(WARM_SAMPLES):
+        fresh_reference(window, 1.0)
+        window.start_measuring("raw")
+        busy_window(window, 1.1)
+        measured = window.finish_measuring(copy_s=0.1, persist_s=0.5, size_bytes=10)
+    assert measured is not None
+    assert measured.busy_iters == MEASURE_ITERS + 1  # one more while the persist ran on
+    assert measured.interference_s == pytest.approx(measured.busy_iters * 0.1)
+    assert measured.reference_s == pytest.approx(1.0)

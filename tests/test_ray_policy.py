@@ -160,9 +160,13 @@ def test_a_lost_policy_actor_is_replaced_and_gets_the_proposal_again(ray_session
         assert _poll_until(link, lambda d: d["k"] == 6)["generation"] == 2
         first = find_policy(run)
         ray.kill(first)
-        decision = _poll_until(link, lambda d: d["k"] == 6 and d["version"] == 1)
-        assert decision["generation"] == 2  # the new actor got rank 0's proposal again
-        # The actor that answered is a new one (the name's lookup may lag behind it).
-        assert link._handle is not None and link._handle._actor_id != first._actor_id
+
+        def from_a_new_actor(d: dict) -> bool:
+            # A poll sent before the kill may still be answered by the old actor: wait for
+            # an answer after the link replaced it (the name's lookup may lag behind).
+            return link._handle is not None and link._handle._actor_id != first._actor_id and d["k"] == 6
+
+        decision = _poll_until(link, from_a_new_actor)
+        assert decision["generation"] == 2 and decision["version"] == 1  # it got rank 0's proposal again
     finally:
         shutdown_policy(run)

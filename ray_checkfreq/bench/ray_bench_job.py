@@ -169,7 +169,8 @@ def run_ours(job: Job, k: int | None, storage: str, *, replicas: bool = True) ->
             "k_used": stats["k"], "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
             "policy_decided_before_timing": decided, "start_up_iterations": profiling,
             "registration": _registration(stats),
-            "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"]}
+            "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"],
+            "profiling": stats["profiling"]}
 
 
 def _started_up(cf: Any, *, policy: bool) -> bool:

@@ -283,6 +283,8 @@ class CheckFreq:
                     self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before)
             elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
                 self._quiet_done = profiling.record_quiet(iter_s)
+            elif profiling.cold:  # between warm checkpoints, bounded (not in the first window)
+                self._quiet_done = profiling.record_waiting()
         elif self._adaptive is not None:
             new_k = self._adaptive.record(iter_s, stall_s, busy)
             if new_k is not None:
@@ -437,7 +439,8 @@ class CheckFreq:
         assert profiling is not None
         if not profiling.measuring:
             if self._quiet_done:
-                return self._start_measuring(at, self._codec_trial.decided or "raw")
+                self._quiet_done = False
+                return self._start_measuring(at, profiling.next_codec or self._codec_trial.decided or "raw")
             if self._epoch_end_checkpoint(at):
                 return self._plan_checkpoint(at, True, codec=self._codec_trial.decided or "raw")
             return None
@@ -451,28 +454,31 @@ class CheckFreq:
             codec = profiling.codec
             assert codec is not None
             return self._start_measuring(at, codec)
-        return self._finish_measuring(at, profiling, result)
+        planned = self._finish_measuring(at, profiling, result)
+        if planned is not None or not self._epoch_end_checkpoint(at):
+            return planned
+        # An epoch ends at the iteration the measurement finished: its checkpoint is due all the same.
+        codec = None if self._profiling is None else profiling.next_codec or self._codec_trial.decided or "raw"
+        return self._plan_checkpoint(at, True, codec=codec)
 
     def _finish_measuring(self, at: int, profiling: ProfilingWindow, result: PersistResult) -> _Planned | None:
         """Decide from what was measured, or measure the compressed codec first."""
         if profiling.needs_warm_measurement():
-            codec = profiling.codec
-            assert codec is not None
-            profiling.discard_cold()
-            return self._start_measuring(at, codec)
-        codec = profiling.codec
+            profiling.discard_cold()  # then fresh quiet iterations, then a warm one
+            return None
         measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
-        if measured is None:
-            assert codec is not None
-            return self._start_measuring(at, codec)
+        if measured is None:  # fewer than WARM_SAMPLES yet
+            return None
         self._stats.profiling_s += sum(sample.interference_s for sample in profiling.samples[measured.codec])
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
         decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s)
                      for codec, m in profiling.measured.items()}
         if (measured.codec == "raw" and self._codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
-            return self._start_measuring(at, "rcfz")
+            profiling.measure_next("rcfz")
+            return None
         codec = choose_codec({c: d for c, (_, d) in decisions.items()}) if "raw" in decisions else measured.codec
+        self._stats.profiling = profiling.summary()
         self._profiling = None
         self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
         self.store.write_metadata(PROFILE_NAME, {"profile": decisions[codec][0].to_json(),
@@ -584,6 +590,7 @@ class CheckFreq:
             "fence_wait_s": s.fence_wait_s,
             "persist_wait_s": s.persist_wait_s,
             "profiling_s": s.profiling_s,
+            "profiling": s.profiling,
             "overhead_estimate": s.overhead_estimate(),
             "bytes_written": s.stored_bytes,
             "compression_ratio": (s.stored_bytes / s.raw_bytes) if s.raw_bytes else None,
@@ -609,6 +616,7 @@ class _Stats:
     fence_wait_s: float = 0.0
     persist_wait_s: float = 0.0
     profiling_s: float = 0.0  # training time the profiling checkpoints cost (measured)
+    profiling: dict | None = None  # what the profiling window measured (ProfilingWindow.summary)
     stall_s: float = 0.0  # checkpoint work on the critical path: in step() and at the fence
     first_iteration: int | None = None
     iterations: int = 0  # after warm-up

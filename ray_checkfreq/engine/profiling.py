@@ -3,7 +3,8 @@
 Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then
 real, committed checkpoints per codec tried (the first, cold one only warms buffers and
 files, then ``WARM_SAMPLES`` warm ones), each persist running beside at least
-``MEASURE_ITERS`` training iterations. What those iterations lost against quiet ones,
+``MEASURE_ITERS`` training iterations. Before each warm checkpoint, ``REFERENCE_ITERS``
+fresh quiet iterations are its reference: what the busy iterations lost against them,
 stalls included, is the checkpoint's cost as training feels it; the policy takes the
 median over the warm checkpoints.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -27,13 +28,22 @@ from ray_checkfreq.engine.policy import (
     fixed_interval_codec,
     interference_s,
     iteration_time_s,
+    quiet_reference_s,
 )
 from ray_checkfreq.engine.snapshot import tensors_in
 
 WARMUP_ITERS = 2
 MIN_TI_SAMPLES = 5
 MEASURE_ITERS = 10
-REFERENCE_ITERS = 10
+# A reference from the start of the window misled the policy: in `bench ray` the first
+# quiet iterations after a start ran at 0.23-0.44 s (other processes still starting)
+# against 0.2 s later, so every busy window looked free and k came out 5 where ~60 was
+# needed. Each warm checkpoint is compared with the quiet iterations right before it.
+REFERENCE_ITERS = 8
+# Where checkpoint work never stops (epoch ends closer together than a persist takes), a
+# warm checkpoint waits at most this many iterations for fresh quiet ones, then is
+# compared with the newest quiet iterations there are.
+REFERENCE_WAIT_ITERS = 2 * REFERENCE_ITERS
 # One warm sample is at the mercy of the machine's noise: in `bench ray` (2 busy cores,
 # 200 ms iterations) single samples put the first k anywhere from 6 to 68. The median of
 # three is robust to one outlier.
@@ -49,6 +59,9 @@ class Measured:
     persist_s: float
     size_bytes: int
     interference_s: float
+    busy_iters: int = 0
+    busy_s: float = 0.0
+    reference_s: float = 0.0  # the mean quiet iteration it was compared with
 
 
 @dataclass
@@ -56,7 +69,10 @@ class ProfilingWindow:
     """Collects quiet iterations, then the busy iterations of each measured checkpoint."""
 
     quiet_iters: int
-    quiet: list[float] = field(default_factory=list)
+    quiet: list[float] = field(default_factory=list)  # every quiet iteration (Ti)
+    reference: list[float] = field(default_factory=list)  # the quiet ones since the last measured checkpoint
+    next_codec: str | None = None  # measured once the reference is in (None: the first codec)
+    waited: int = 0  # iterations since the last measured checkpoint, quiet or not
     updates: list[float] = field(default_factory=list)
     busy: list[float] | None = None
     codec: str | None = None
@@ -72,13 +88,31 @@ class ProfilingWindow:
         return self.codec is not None
 
     def record_quiet(self, iter_s: float) -> bool:
-        """True once enough quiet iterations are in to start measuring a checkpoint."""
+        """True once enough quiet iterations are in to start measuring a checkpoint: the
+        whole first window, then ``REFERENCE_ITERS`` fresh ones before each warm one."""
         self.quiet.append(iter_s)
-        return len(self.quiet) >= self.quiet_iters
+        self.reference.append(iter_s)
+        if len(self.quiet) < self.quiet_iters:
+            return False
+        return self.record_waiting()
+
+    def record_waiting(self) -> bool:
+        """One iteration between measured checkpoints; True once the next may start."""
+        self.waited += 1
+        if not self.cold:  # the first window: its quiet iterations are the reference
+            return len(self.quiet) >= self.quiet_iters
+        return len(self.reference) >= REFERENCE_ITERS or self.waited >= REFERENCE_WAIT_ITERS
 
     def start_measuring(self, codec: str) -> None:
         self.codec = codec
         self.busy = []
+        self.next_codec = None
+
+    def measure_next(self, codec: str) -> None:
+        """Measure ``codec`` next, after fresh quiet iterations."""
+        self.codec, self.busy = None, None
+        self.next_codec = codec
+        self.reference, self.waited = [], 0
 
     def record_busy(self, iter_s: float, persist_busy: bool) -> bool:
         """True once the persist is done and at least MEASURE_ITERS iterations ran beside it."""
@@ -101,23 +135,31 @@ class ProfilingWindow:
     def discard_cold(self) -> None:
         assert self.codec is not None
         self.cold.add(self.codec)
-        self.codec, self.busy = None, None
+        self.measure_next(self.codec)
 
     def finish_measuring(self, copy_s: float, persist_s: float, size_bytes: int) -> Measured | None:
         """Record this warm checkpoint; once the codec has ``WARM_SAMPLES`` of them, its
         median figures (None before: measure another)."""
         assert self.codec is not None and self.busy is not None
-        # The quiet iterations right before the checkpoint are the reference: on a shared
-        # machine the iteration time drifts by more than a checkpoint costs over a window.
-        reference = self.quiet[WARMUP_ITERS:][-REFERENCE_ITERS:]
+        # On a shared machine the iteration time drifts by more than a checkpoint costs
+        # over a window: the reference is the quiet iterations right before this one.
+        fresh = len(self.reference) >= REFERENCE_ITERS or not self.quiet
+        reference = (self.reference if fresh else self.quiet)[-REFERENCE_ITERS:]
         codec, samples = self.codec, self.samples.setdefault(self.codec, [])
         samples.append(Measured(codec=codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
-                                interference_s=interference_s(reference, self.busy)))
-        self.codec, self.busy = None, None
+                                interference_s=interference_s(reference, self.busy), busy_iters=len(self.busy),
+                                busy_s=sum(self.busy), reference_s=quiet_reference_s(reference)))
         if len(samples) < WARM_SAMPLES:
+            self.measure_next(codec)
             return None
+        self.codec, self.busy = None, None
         self.measured[codec] = _median_measurement(samples)
         return self.measured[codec]
+
+    def summary(self) -> dict:
+        """What profiling measured, for ``stats()``: the quiet iterations and every warm sample."""
+        return {"quiet_s": [round(t, 6) for t in self.quiet],
+                "samples": {codec: [asdict(sample) for sample in samples] for codec, samples in self.samples.items()}}
 
     def iter_s(self) -> float:
         return iteration_time_s(self.quiet, warmup=WARMUP_ITERS)
@@ -142,7 +184,8 @@ def _median_measurement(samples: list[Measured]) -> Measured:
         return statistics.median(getattr(sample, name) for sample in samples)
 
     return Measured(codec=samples[0].codec, copy_s=median("copy_s"), persist_s=median("persist_s"),
-                    size_bytes=samples[-1].size_bytes, interference_s=median("interference_s"))
+                    size_bytes=samples[-1].size_bytes, interference_s=median("interference_s"),
+                    busy_iters=round(median("busy_iters")), busy_s=median("busy_s"), reference_s=median("reference_s"))
 
 
 @dataclass
