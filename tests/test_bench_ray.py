@@ -54,6 +54,10 @@ def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
     assert recovery["restart_to_first_step_s"] > recovery["restore_s"] >= 0
     for name in ("ours_policy_within_p", "ours_same_k_vs_sync", "ours_same_k_below_async"):
         assert f"target {name}: " in done.stdout
+    for name in job.VARIANTS:  # every variant's timed iterations were recorded
+        runs = variants[name]["runs"]
+        assert len(runs[0]["iteration_ends_s"]) == runs[0]["iterations"], name
+        assert math.isfinite(figures["spikes"][name]), name
 
 
 def test_k_is_the_smallest_interval_past_the_report_throttle():
@@ -127,3 +131,14 @@ def test_bad_settings_name_the_flag(tmp_path):
         ray_bench.job_config(parser.parse_args(["--repeats", "0"]), str(tmp_path))
     with pytest.raises(ValueError, match="--overhead=1.5"):
         ray_bench.job_config(parser.parse_args(["--overhead", "1.5"]), str(tmp_path))
+
+
+def test_spikes_count_the_seconds_above_the_runs_own_median_iteration():
+    # nine iterations of 0.2 s and one of 1.2 s (a checkpoint's stall): 1 s above 10 x 0.2 s
+    ends = [round(0.2 * i, 6) for i in range(1, 10)]
+    ends.append(ends[-1] + 1.2)
+    assert ray_bench.above_own_median(ends) == pytest.approx(0.5)
+    # a run 10 % slower all through has no spikes: the drift between variants is not counted
+    assert ray_bench.above_own_median([0.22 * i for i in range(1, 11)]) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="no timed iterations"):
+        ray_bench.above_own_median([])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -152,6 +153,8 @@ def summarize(results: list[dict], config: dict) -> dict:
             "seconds": _spread([r["seconds"] for r in runs]),
             "seconds_per_iteration": _spread([r["seconds"] / r["iterations"] for r in runs]),
             "overhead": _spread([r["seconds"] / r["iterations"] / reference[r["repeat"]] - 1 for r in runs]),
+            "above_own_median": _spread([above_own_median(r["iteration_ends_s"]) for r in runs
+                                         if r.get("iteration_ends_s")] or [math.nan]),
             "checkpoints": [r["checkpoints"] for r in runs],
             "k": [r.get("k_used", r["k"]) for r in runs],
             "runs": runs,
@@ -170,12 +173,25 @@ def summarize(results: list[dict], config: dict) -> dict:
         "overhead_ours_same_k_no_replicas": per_variant[job.OURS_SAME_K_NO_REPLICAS]["overhead"]["median"],
         "overhead_report_sync": per_variant[job.REPORT_SYNC]["overhead"]["median"],
         "overhead_report_async": per_variant[job.REPORT_ASYNC]["overhead"]["median"],
+        "spikes": {name: entry["above_own_median"]["median"] for name, entry in per_variant.items()},
         "checkpoints_per_epoch": _checkpoints_per_epoch(per_variant, k, config["epoch_len"]),
     }
     recovery = [r for r in results if r["kind"] == "recovery"]
     figures["recovery"] = recovery[0] if recovery else None
     figures["targets"] = targets(figures, config["overhead"])
     return figures
+
+
+def above_own_median(iteration_ends_s: list[float]) -> float:
+    """The timed stretch's seconds above as many of its own median iterations, as a fraction
+    of them: the spikes (stalls, report barriers, a persist's local slowdown), free of the
+    drift between variants that moves the median itself by up to 10 % on a shared machine.
+    A lower bound of the cost (an even slowdown of every iteration moves the median too)."""
+    if not iteration_ends_s:
+        raise ValueError("no timed iterations")
+    durations = [b - a for a, b in zip([0.0, *iteration_ends_s[:-1]], iteration_ends_s)]
+    median = statistics.median(durations)
+    return (iteration_ends_s[-1] - len(durations) * median) / (len(durations) * median)
 
 
 def round_baselines(variants: list[dict]) -> dict[int, float]:
@@ -215,7 +231,7 @@ def print_table(figures: dict) -> None:
           f"(k x Ti = {figures['k_times_iteration_s']:.1f} s); {cfg['repeats']} interleaved rounds of "
           f"{cfg['iterations']} timed iterations after {cfg['warmup']} untimed; epoch = {cfg['epoch_len']} iterations")
     print(f"{'variant':<23} {'k':>8} {'ckpt/epoch':>10} {'timed ckpts':>11} {'s/iter':>9} "
-          f"{'overhead':>9} {'min':>8} {'max':>8}")
+          f"{'overhead':>9} {'min':>8} {'max':>8} {'spikes':>8}")
     for name, entry in figures["variants"].items():
         overhead = entry["overhead"]
         ks = "-" if name == job.BASELINE else "/".join(sorted({str(value) for value in entry["k"]}))
@@ -223,8 +239,10 @@ def print_table(figures: dict) -> None:
         per_epoch = figures["checkpoints_per_epoch"][name]
         per_epoch_text = "-" if per_epoch is None else f"{per_epoch:.1f}"
         print(f"{name:<23} {ks:>8} {per_epoch_text:>10} {ckpts:>11} {entry['seconds_per_iteration']['median']:>9.3f} "
-              f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%}")
-    print("(none: each round's baseline against the mean of it and the next one, i.e. the drift: the noise floor)")
+              f"{overhead['median']:>8.1%} {overhead['min']:>7.1%} {overhead['max']:>7.1%} "
+              f"{entry['above_own_median']['median']:>7.1%}")
+    print("(none: each round's baseline against the mean of it and the next one, i.e. the drift: the noise floor;\n"
+          " spikes: seconds above the run's own median iteration, a lower bound free of that drift, median of rounds)")
     _print_start_up(figures["variants"])
     _print_recovery(figures["recovery"])
     load = figures["load_average"]

@@ -69,6 +69,7 @@ class Job:
         self.inputs = torch.randn(config["batch"], config["width"], generator=generator)
         self.targets = torch.randn(config["batch"], config["width"], generator=generator)
         self.results = config["results_path"]
+        self.iteration_ends: list[float] = []
 
     def train_step(self) -> None:
         loss = torch.nn.functional.mse_loss(self.model(self.inputs), self.targets)
@@ -87,16 +88,18 @@ class Job:
             self.train_step()
             after_step(i)
         start = time.perf_counter()
+        self.iteration_ends = []  # seconds since start, per timed iteration (where the time went)
         for i in range(warmup + 1, warmup + iterations + 1):
             self.train_step()
             after_step(i)
+            self.iteration_ends.append(round(time.perf_counter() - start, 4))
         return time.perf_counter() - start
 
 
 # ------------------------------------------------------------------ variants
 def run_baseline(job: Job, k: int) -> dict:
     seconds = job.timed(lambda i: None, job.config["warmup"], job.config["iterations"])
-    return {"seconds": seconds, "checkpoints": 0}
+    return {"seconds": seconds, "checkpoints": 0, "iteration_ends_s": job.iteration_ends}
 
 
 def run_report(job: Job, k: int, mode_name: str) -> dict:
@@ -123,7 +126,7 @@ def run_report(job: Job, k: int, mode_name: str) -> dict:
             shutil.rmtree(directory, ignore_errors=True)  # ASYNC removes its own after the upload
 
     seconds = job.timed(after_step, job.config["warmup"], job.config["iterations"])
-    return {"seconds": seconds, "checkpoints": count}
+    return {"seconds": seconds, "checkpoints": count, "iteration_ends_s": job.iteration_ends}
 
 
 def _checkfreq(job: Job, storage: str, every: int | None, replicas: bool = True) -> Any:
@@ -170,7 +173,7 @@ def run_ours(job: Job, k: int | None, storage: str, *, replicas: bool = True) ->
             "policy_decided_before_timing": decided, "start_up_iterations": profiling,
             "registration": _registration(stats),
             "stall_s_median": stats["stall_s_median"], "last_persist_s": stats["last_persist_s"],
-            "profiling": stats["profiling"]}
+            "profiling": stats["profiling"], "iteration_ends_s": job.iteration_ends}
 
 
 def _started_up(cf: Any, *, policy: bool) -> bool:
