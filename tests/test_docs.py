@@ -101,7 +101,7 @@ def quoted_defaults() -> list[tuple[str, str, object]]:
         ("design.md", f"default {CheckFreqConfig().overhead}", 0.035),
         ("design.md", f"nice +{PERSIST_NICE}", 10),
         ("design.md", f"{WARMUP_ITERS} warm-up iterations, then {MIN_TI_SAMPLES} timed", (2, 5)),
-        ("design.md", f"beside at least {MEASURE_ITERS} training iterations", 10),
+        ("design.md", f"beside at least {MEASURE_ITERS} training iterations", 4),
         ("design.md", f"`max({adaptive.window_iters}, {adaptive.min_checkpoints_per_window}k)`", (50, 2)),
         ("design.md", f"`{adaptive.raise_to} p`", 0.8),
         ("design.md", f"`{adaptive.lower_to} p`", 0.7),

@@ -2,8 +2,8 @@
 
 Profiling (policy mode): quiet iterations first (no checkpoint work: Ti and Tw), then
 real, committed checkpoints per codec tried (the first, cold one only warms buffers and
-files, then ``WARM_SAMPLES`` warm ones), each persist running beside at least
-``MEASURE_ITERS`` training iterations. Before each warm checkpoint, ``REFERENCE_ITERS``
+files, then ``WARM_SAMPLES`` warm ones), each timed over the training iterations that ran
+beside its persist (at least ``MEASURE_ITERS``). Before each warm checkpoint, ``REFERENCE_ITERS``
 fresh quiet iterations are its reference: what the busy iterations lost against them,
 stalls included, is the checkpoint's cost as training feels it; the policy takes the
 median over the warm checkpoints.
@@ -34,7 +34,11 @@ from ray_checkfreq.engine.snapshot import tensors_in
 
 WARMUP_ITERS = 2
 MIN_TI_SAMPLES = 5
-MEASURE_ITERS = 10
+# The busy window ends once the persist is done (and not before this many iterations):
+# iterations after it carry no cost, only noise. With 10 fixed iterations against a
+# ~0.6 s persist at 0.2 s iterations (`bench ray`), one sample's noise was as large as the
+# cost it measured (0 to 0.2 s for the same checkpoint).
+MEASURE_ITERS = 4
 # A reference from the start of the window misled the policy: in `bench ray` the first
 # quiet iterations after a start ran at 0.23-0.44 s (other processes still starting)
 # against 0.2 s later, so every busy window looked free and k came out 5 where ~60 was
