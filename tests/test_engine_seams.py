@@ -73,6 +73,17 @@ class RecordingPersister:
         self.inner.close()
 
 
+class InlinePersister(RecordingPersister):
+    """Persists inside ``submit``: never busy, so profiling's windows end at known iterations."""
+
+    def submit(self, snapshot, **options) -> None:
+        self.submitted.append((snapshot, options))
+        result, error = self.inner._persist(snapshot, options)
+        if error is not None:
+            raise error
+        self.inner._on_done(result)
+
+
 class PlainHostMemory:
     """Host memory as plain preallocated tensors, reallocated when the layout changes."""
 
@@ -93,9 +104,9 @@ class PlainHostMemory:
         return token, dict(self._views)
 
 
-def _recording(made: list):
+def _recording(made: list, persister: type = RecordingPersister):
     def factory(store, on_done):
-        made.append(RecordingPersister(store, on_done))
+        made.append(persister(store, on_done))
         return made[-1]
     return factory
 
@@ -423,3 +434,25 @@ def test_an_action_for_another_iteration_is_refused_naming_both(tmp_path):
     with pytest.raises(RuntimeError, match="iteration 2 the action planned for iteration 3"):
         cf.step()
     cf.close()
+
+
+def test_an_epoch_end_checkpoints_also_at_the_iteration_a_profiling_measurement_ends(tmp_path):
+    """With persists done inline, every profiling window ends at a fixed iteration; over
+    these epoch lengths one epoch end falls on each kind of window end (a cold, a warm and
+    the last, deciding measurement): every epoch end still gets its checkpoint."""
+    for epoch_len in range(5, 31):
+        model, opt = _replica()
+        made: list = []
+        store = CheckpointStore(str(tmp_path / str(epoch_len)), keep_last=1000, codec="raw")
+        seams = EngineSeams(persister=_recording(made, InlinePersister))
+        cf = CheckFreq(model=model, optimizer=opt, storage=store, seams=seams,
+                       profile_iters=2, epoch_len=epoch_len, compress=False)
+        cf.restore()
+        for it in range(90):
+            _train_step(model, opt, it)
+            cf.step()
+        cf.close()
+        assert cf.decision is not None, epoch_len
+        steps = {snapshot.step for p in made for snapshot, _ in p.submitted}
+        missing = [end for end in range(epoch_len, 91, epoch_len) if end not in steps]
+        assert not missing, f"epoch_len={epoch_len}: no checkpoint at epoch ends {missing}"

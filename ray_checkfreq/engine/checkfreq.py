@@ -434,41 +434,42 @@ class CheckFreq:
 
     # -------------------------------------------------------------- profiling
     def _advance_profiling(self, at: int) -> _Planned | None:
-        """Quiet iterations, then one measured checkpoint per codec worth trying, then k."""
+        """Quiet iterations, then measured checkpoints per codec worth trying, then k; an
+        epoch end checkpoints whatever profiling is doing."""
         profiling = self._profiling
         assert profiling is not None
-        if not profiling.measuring:
-            if self._quiet_done:
-                self._quiet_done = False
-                return self._start_measuring(at, profiling.next_codec or self._codec_trial.decided or "raw")
-            if self._epoch_end_checkpoint(at):
-                return self._plan_checkpoint(at, True, codec=self._codec_trial.decided or "raw")
+        if profiling.measuring and self._measure_done:
+            self._measure_done = False
+            result = self._measured_result
+            if result is None:  # that persist failed (raised at a step): measure another
+                codec = profiling.codec
+                assert codec is not None
+                return self._start_measuring(at, codec)
+            self._finish_measuring(profiling, result)
+        elif not profiling.measuring and self._quiet_done:
+            self._quiet_done = False
+            return self._start_measuring(at, profiling.next_codec or self._codec_trial.decided or "raw")
+        if not self._epoch_end_checkpoint(at):
             return None
-        if not self._measure_done:
-            if self._epoch_end_checkpoint(at):
-                return self._plan_checkpoint(at, True, codec=profiling.codec)
-            return None
-        self._measure_done = False
-        result = self._measured_result
-        if result is None:  # that persist failed (raised at a step): measure another
-            codec = profiling.codec
-            assert codec is not None
-            return self._start_measuring(at, codec)
-        planned = self._finish_measuring(at, profiling, result)
-        if planned is not None or not self._epoch_end_checkpoint(at):
-            return planned
-        # An epoch ends at the iteration the measurement finished: its checkpoint is due all the same.
-        codec = None if self._profiling is None else profiling.next_codec or self._codec_trial.decided or "raw"
-        return self._plan_checkpoint(at, True, codec=codec)
+        return self._plan_checkpoint(at, True, codec=self._profiling_codec())
 
-    def _finish_measuring(self, at: int, profiling: ProfilingWindow, result: PersistResult) -> _Planned | None:
-        """Decide from what was measured, or measure the compressed codec first."""
-        if profiling.needs_warm_measurement():
-            profiling.discard_cold()  # then fresh quiet iterations, then a warm one
+    def _profiling_codec(self) -> str | None:
+        """The codec of a checkpoint profiling did not ask for (an epoch end's)."""
+        profiling = self._profiling
+        if profiling is None:  # just decided: the policy's codec
             return None
+        return profiling.codec if profiling.measuring else self._codec_trial.decided or "raw"
+
+    def _finish_measuring(self, profiling: ProfilingWindow, result: PersistResult) -> None:
+        """Decide from what was measured, or measure another checkpoint first (each after
+        fresh quiet iterations): a warm one after the cold one, the next warm sample, or
+        the compressed codec."""
+        if profiling.needs_warm_measurement():
+            profiling.discard_cold()
+            return
         measured = profiling.finish_measuring(result.copy_s, result.seconds - result.copy_s, result.raw_bytes)
         if measured is None:  # fewer than WARM_SAMPLES yet
-            return None
+            return
         self._stats.profiling_s += sum(sample.interference_s for sample in profiling.samples[measured.codec])
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
         decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s)
@@ -476,14 +477,13 @@ class CheckFreq:
         if (measured.codec == "raw" and self._codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
             profiling.measure_next("rcfz")
-            return None
+            return
         codec = choose_codec({c: d for c, (_, d) in decisions.items()}) if "raw" in decisions else measured.codec
         self._stats.profiling = profiling.summary()
         self._profiling = None
         self._apply_profile(decisions[codec][0], first_checkpoint=self._last_checkpoint_iteration)
         self.store.write_metadata(PROFILE_NAME, {"profile": decisions[codec][0].to_json(),
                                                  "decision": vars(self.decision), "fingerprint": self._fingerprint()})
-        return None
 
     def _start_measuring(self, at: int, codec: str) -> _Planned:
         assert self._profiling is not None

@@ -96,15 +96,13 @@ class ProfilingWindow:
         whole first window, then ``REFERENCE_ITERS`` fresh ones before each warm one."""
         self.quiet.append(iter_s)
         self.reference.append(iter_s)
-        if len(self.quiet) < self.quiet_iters:
-            return False
+        if not self.cold:  # the first window: its quiet iterations are the reference
+            return len(self.quiet) >= self.quiet_iters
         return self.record_waiting()
 
     def record_waiting(self) -> bool:
         """One iteration between measured checkpoints; True once the next may start."""
         self.waited += 1
-        if not self.cold:  # the first window: its quiet iterations are the reference
-            return len(self.quiet) >= self.quiet_iters
         return len(self.reference) >= REFERENCE_ITERS or self.waited >= REFERENCE_WAIT_ITERS
 
     def start_measuring(self, codec: str) -> None:
@@ -147,7 +145,7 @@ class ProfilingWindow:
         assert self.codec is not None and self.busy is not None
         # On a shared machine the iteration time drifts by more than a checkpoint costs
         # over a window: the reference is the quiet iterations right before this one.
-        fresh = len(self.reference) >= REFERENCE_ITERS or not self.quiet
+        fresh = len(self.reference) >= REFERENCE_ITERS
         reference = (self.reference if fresh else self.quiet)[-REFERENCE_ITERS:]
         codec, samples = self.codec, self.samples.setdefault(self.codec, [])
         samples.append(Measured(codec=codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
