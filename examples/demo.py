@@ -108,7 +108,8 @@ def resume(storage: str, progress: str) -> int:
         return 1
     newest_k = store.load(newest)["checkfreq"]["k"]
     print(f"store: newest committed checkpoint before the restart is iteration {newest.step} ({newest.name})")
-    reference = train(os.path.join(tempfile.mkdtemp(prefix="ray-checkfreq-ref-"), "ckpt"))
+    with tempfile.TemporaryDirectory(prefix="ray-checkfreq-ref-") as scratch:
+        reference = train(os.path.join(scratch, "ckpt"))
     resumed = train(storage)
     stats = resumed["stats"]
     ks = [k for k in [newest_k, *(k_after.get(it) for it in range(newest.step, killed_at + 1))] if k is not None]

@@ -28,6 +28,14 @@ TRAIN_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 
+# Set before any test imports Ray, so the driver and every process it starts inherit it.
+# Tests send nothing beyond loopback (no usage report). And with usage stats on, Ray Data
+# starts a driver thread ("data-usage-metrics-poller") that fails to reach Prometheus every
+# 10 s and formats the traceback; Python 3.11 formats tracebacks with ast.parse, and two
+# threads parsing at once can raise "SystemError: AST constructor recursion depth mismatch"
+# (CPython gh-106905) in whatever the main thread parses: a test, or pytest's own report.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
 LOOPBACK_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                            "AWS_DEFAULT_REGION": "us-east-1"}
 
