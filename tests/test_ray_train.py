@@ -22,7 +22,6 @@ pytestmark = pytest.mark.chaos
 
 TRAIN_RESOURCE = "rcf_train"
 ITERATIONS = 40
-NOTICE_S = 4.0  # the notice-gone test's deadline: time for a stop snapshot before Ray Train's teardown
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +228,9 @@ def test_a_drain_notice_on_another_node_than_rank0s_loses_no_iteration(reference
 
 
 def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(reference, train_nodes, tmp_path):
-    """Rank 0's node is drained (4 s deadline) and the stop snapshot is persisted by the other
-    node's agent (held there until rank 0's node is gone); rank 0's node is removed while
-    that persist is in flight, before the deadline. The other agent still commits the stop
+    """Rank 0's node is drained with a deadline already near, so the stop snapshot is taken at
+    once and persisted by the other node's agent (held there for a few seconds); rank 0's node
+    is removed while that persist is in flight. The other agent still commits the stop
     iteration under the first attempt's writer generation, and the restart begins there."""
     from ray_checkfreq import CheckpointStore
     from ray_checkfreq.ray.agent import live_agents, run_key
@@ -247,20 +246,14 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
 
         other = next(node for node in live_agents(run_key(name)) if node != node_id)
         holder = live_agents(run_key(name))[other]
-        ray.get(holder.hold_persist.remote(120.0))  # released once rank 0's node is gone
-        # Ray Train tears the group down at the deadline (its preemption grace is 0 s): the
-        # deadline leaves time for the stop snapshot to reach this agent first.
-        drain(train_nodes, node_id, time.time() + NOTICE_S)
+        ray.get(holder.hold_persist.remote(2.0))  # shorter than the job's restart_wait_s
+        drain(train_nodes, node_id, time.time() + 0.5)
         deadline = time.monotonic() + 60
         while ray.get(holder.in_flight.remote()) is None:
             assert time.monotonic() < deadline, "the other node's agent never started the stop persist"
             time.sleep(0.02)
-        # The hold is taken by the first persist on that agent: it must be the first attempt's
-        # (a restart whose rank 0 lands on that node persists there too).
-        seen["attempts"] = len(events(str(work), 0, "start"))
         seen.update(step=ray.get(holder.in_flight.remote()), removed_ns=time.time_ns())
         remove_node_of(train_nodes, node_id)
-        ray.get(holder.release_hold.remote())
         store = CheckpointStore(str(tmp_path / "results" / name / "checkfreq"))
         # Every commit of the stop step, of any writer: the restart may commit the same step
         # again under its own generation, and a slow node removal can make the first look
@@ -273,12 +266,10 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
             time.sleep(0.05)
 
     preempter = when_rank_reaches(str(work), 0, 10, drain_and_remove_mid_persist)
-    result, work_dir = fit(tmp_path, "notice-gone", run_name=name, sleep_s=0.2, max_failures=1,
-                           restart_wait_s=30.0)
+    result, work_dir = fit(tmp_path, "notice-gone", run_name=name, sleep_s=0.2, max_failures=1)
     preempter.join(timeout=30)
     assert not isinstance(result, Exception), result
     assert seen, "the node was never removed"
-    assert seen["attempts"] == 1, "the held persist was the restart's: the first attempt ended before its stop snapshot"
     stop = seen["step"]
     # Committed by the first attempt's persist (not only by the restart), after rank 0's node was gone.
     first = [ref for ref in seen["commits"].values() if ref.writer_generation == 1]
