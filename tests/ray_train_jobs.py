@@ -2,9 +2,10 @@
 
 Faults come from the config (as Ray Train's own tests do), each at most once per test
 (a marker file in ``work_dir``): SIGKILL of a rank after a given iteration, a persist
-held in the agent, a slot sealed late. Every rank logs JSON lines to
-``work_dir/log-<rank>.jsonl``: where each attempt started (and from what), the sample ids
-of every batch, and rank 0 saves the final weights to ``work_dir/final.pt``.
+held in an agent (a given step's, or the notice's stop checkpoint's), a slot sealed late.
+Every rank logs JSON lines to ``work_dir/log-<rank>.jsonl``: where each attempt started
+(and from what), the sample ids of every batch, and rank 0 saves the final weights to
+``work_dir/final.pt``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
             and once(work_dir, "hold"):
         ray.get(cf.agent.hold_persist.remote(hold["seconds"]))
+    hold_stop = config.get("hold_stop_persist")  # {"seconds": s}: the notice's stop persist, on other nodes
+    if hold_stop and rank == 0 and cf.engine.stop_at is not None and once(work_dir, "hold-stop"):
+        _hold_stop_persist(work_dir, cf, hold_stop["seconds"])
     kill_agent = config.get("kill_agent")  # {"iteration": i}: rank 0's node agent dies mid-run
     if kill_agent and rank == 0 and cf.iteration == kill_agent["iteration"] and once(work_dir, "kill-agent"):
         log(work_dir, rank, event="kill-agent", iteration=cf.iteration)
@@ -149,6 +153,18 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
         log(work_dir, rank, event="kill", iteration=cf.iteration)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hold_stop_persist(work_dir: str, cf: Any, seconds: float) -> None:
+    """Rank 0 planned the notice's stop (at a later step() than this one): the other nodes'
+    agents hold the persist of that step, and only that one, for ``seconds``."""
+    import ray
+
+    from ray_checkfreq.ray.agent import live_agents
+
+    others = {node: handle for node, handle in live_agents(cf.run).items() if node != cf.node_id}
+    ray.get([handle.hold_persist.remote(seconds, cf.engine.stop_at) for handle in others.values()])
+    log(work_dir, 0, event="stop-planned", iteration=cf.iteration, stop=cf.engine.stop_at, held=sorted(others))
 
 
 def _check_pointers(work_dir: str, cf: Any) -> None:

@@ -154,6 +154,23 @@ def test_the_stop_iteration_leaves_the_margin_before_the_deadline():
     assert stop_iteration(now_s=50.0, notice=none, iteration=7, iter_s=0.5, persist_s=1.0, detection_lag_s=0.5) == 7
 
 
+def test_the_loss_after_a_notice_is_counted_once_even_when_the_stop_was_never_confirmed():
+    from ray_checkfreq.ray.preemption import lost_after_notice, notice_record
+
+    planned = notice_record([{"node_id": "a"}], generation=3, stop_at=20, stopped_at=None)
+    confirmed = notice_record([{"node_id": "a"}], generation=3, stop_at=20, stopped_at=20)
+    assert lost_after_notice(confirmed, restored=20, generation=4) == 0
+    assert lost_after_notice(confirmed, restored=16, generation=4) == 4
+    # Torn down before rank 0 confirmed the stop: no rank trains past it, so at most stop - restored.
+    assert lost_after_notice(planned, restored=16, generation=4) == 4
+    assert lost_after_notice(planned, restored=20, generation=4) == 0  # the stop checkpoint committed anyway
+    assert lost_after_notice(planned, restored=0, generation=5) == 20  # nothing committed: from scratch
+    # Not a notice of an earlier attempt: none, already counted, or written by this attempt (or a newer one).
+    assert lost_after_notice(None, restored=8, generation=4) is None
+    assert lost_after_notice({**confirmed, "restored_by": 4}, restored=8, generation=5) is None
+    assert lost_after_notice(confirmed, restored=8, generation=3) is None
+
+
 def test_the_drain_watcher_reports_only_the_runs_nodes():
     import time
 

@@ -228,10 +228,10 @@ def test_a_drain_notice_on_another_node_than_rank0s_loses_no_iteration(reference
 
 
 def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(reference, train_nodes, tmp_path):
-    """Rank 0's node is drained with a deadline already near, so the stop snapshot is taken at
-    once and persisted by the other node's agent (held there for a few seconds); rank 0's node
-    is removed while that persist is in flight. The other agent still commits the stop
-    iteration under the first attempt's writer generation, and the restart begins there."""
+    """Rank 0's node is drained (3 s deadline). Once rank 0 has planned the stop, the other
+    node's agent holds the persist of that step, and only that step, for 2 s; rank 0's node is
+    removed while it is in flight, before the deadline. The other agent still commits the
+    stop iteration under the first attempt's writer generation, and the restart begins there."""
     from ray_checkfreq import CheckpointStore
     from ray_checkfreq.ray.agent import live_agents, run_key
 
@@ -244,15 +244,17 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
     def drain_and_remove_mid_persist(node_id: str) -> None:
         import ray
 
-        other = next(node for node in live_agents(run_key(name)) if node != node_id)
-        holder = live_agents(run_key(name))[other]
-        ray.get(holder.hold_persist.remote(2.0))  # shorter than the job's restart_wait_s
-        drain(train_nodes, node_id, time.time() + 0.5)
+        drain(train_nodes, node_id, time.time() + 3.0)
         deadline = time.monotonic() + 60
-        while ray.get(holder.in_flight.remote()) is None:
-            assert time.monotonic() < deadline, "the other node's agent never started the stop persist"
+        while not (planned := events(str(work), 0, "stop-planned")):
+            assert time.monotonic() < deadline, "rank 0 never planned the stop"
             time.sleep(0.02)
-        seen.update(step=ray.get(holder.in_flight.remote()), removed_ns=time.time_ns())
+        seen["stop"] = planned[0]["stop"]
+        holders = [handle for node, handle in live_agents(run_key(name)).items() if node in planned[0]["held"]]
+        while not any((ray.get(h.in_flight.remote()) or -1) >= seen["stop"] for h in holders):
+            assert time.monotonic() < deadline, "no other node's agent started the stop persist"
+            time.sleep(0.02)
+        seen["removed_ns"] = time.time_ns()
         remove_node_of(train_nodes, node_id)
         store = CheckpointStore(str(tmp_path / "results" / name / "checkfreq"))
         # Every commit of the stop step, of any writer: the restart may commit the same step
@@ -261,30 +263,28 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
         commits = seen.setdefault("commits", {})
         while time.monotonic() < deadline and not any(ref.writer_generation == 1 for ref in commits.values()):
             for ref in store.list():  # polled, before retention may drop it
-                if ref.step == seen["step"]:
+                if ref.step == seen["stop"]:
                     commits[ref.uri] = ref
             time.sleep(0.05)
 
     preempter = when_rank_reaches(str(work), 0, 10, drain_and_remove_mid_persist)
-    result, work_dir = fit(tmp_path, "notice-gone", run_name=name, sleep_s=0.2, max_failures=1)
+    result, work_dir = fit(tmp_path, "notice-gone", run_name=name, sleep_s=0.2, max_failures=1,
+                           hold_stop_persist={"seconds": 2.0})  # shorter than the job's restart_wait_s
     preempter.join(timeout=30)
     assert not isinstance(result, Exception), result
-    assert seen, "the node was never removed"
-    stop = seen["step"]
+    assert "removed_ns" in seen, f"the node was never removed: {seen}"
+    stop = seen["stop"]
     # Committed by the first attempt's persist (not only by the restart), after rank 0's node was gone.
     first = [ref for ref in seen["commits"].values() if ref.writer_generation == 1]
     assert first, f"the stop iteration {stop} was never committed by the first attempt: {seen['commits']}"
     assert first[0].created_unix_ns > seen["removed_ns"]
     starts = events(work_dir, 0, "start")
-    trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
     assert len(starts) == 2
-    begun = starts[1]["iteration"]
-    # The held persist is the notice's stop snapshot (the ranks block inside its step, so
-    # it is one past the last logged batch) or the routine one just before it, when the
-    # stop snapshot went to a slot after it: the restart then begins at that slot. Either
-    # way 0 iterations are lost.
-    assert stop <= begun and trained <= begun <= trained + 1, (trained, stop, begun)
-    assert starts[1]["restore"]["committed_step"] >= stop
+    # Every rank blocked inside cf.step() of the stop iteration, before logging it.
+    trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
+    assert starts[1]["iteration"] == stop == trained + 1
+    # Rank 0 never confirmed the stop (its node was gone first): the notice was recorded when planned.
+    assert starts[1]["restore"]["lost_after_notice"] == 0
     assert_same_weights(final_weights(work_dir), reference)
 
 

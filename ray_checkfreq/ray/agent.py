@@ -64,6 +64,7 @@ class NodeAgent:
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
         self._in_flight: int | None = None
         self._hold_s = 0.0
+        self._hold_from_step = 0
         self._released = threading.Event()
         self._lease_s = lease_s
         self._renewed = time.monotonic()
@@ -129,8 +130,8 @@ class NodeAgent:
                 raise slots.SlotError(path, f"holds snapshot #{header.seq}, the request was for #{seq}")
             self._in_flight = header.step
             try:
-                hold, self._hold_s = self._hold_s, 0.0
-                if hold:
+                if self._hold_s and header.step >= self._hold_from_step:
+                    hold, self._hold_s = self._hold_s, 0.0
                     self._released.wait(hold)
                 writer = self._writer(store, generation)
                 ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec)
@@ -208,9 +209,11 @@ class NodeAgent:
             self._persist_lock.release()
         return acquired
 
-    def hold_persist(self, seconds: float) -> None:
-        """Tests: make the next persist wait ``seconds`` (or until ``release_hold``) after reading its slot."""
+    def hold_persist(self, seconds: float, from_step: int = 0) -> None:
+        """Tests: make the next persist of a step >= ``from_step`` wait ``seconds`` (or until
+        ``release_hold``) after reading its slot."""
         self._released.clear()
+        self._hold_from_step = int(from_step)
         self._hold_s = float(seconds)
 
     def release_hold(self) -> None:

@@ -15,8 +15,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -41,6 +42,28 @@ def stop_iteration(*, now_s: float, notice: Notice, iteration: int, iter_s: floa
     last_safe_s = notice.deadline_s - (1.5 * persist_s + 2 * iter_s + detection_lag_s)
     spare = math.floor((last_safe_s - now_s) / iter_s)
     return iteration + max(0, spare)
+
+
+def notice_record(notices: list[dict], *, generation: int, stop_at: int, stopped_at: int | None) -> dict:
+    """What rank 0 stores beside the checkpoints when it plans a stop (``stopped_at`` None)
+    and again once the stop checkpoint is durable, so a restart can count the lost iterations
+    even when the group was torn down before that checkpoint."""
+    return {"generation": generation, "notices": notices, "stop_at": stop_at, "stopped_at": stopped_at}
+
+
+def lost_after_notice(record: Mapping[str, Any] | None, *, restored: int, generation: int) -> int | None:
+    """Iterations the previous attempt trained past ``restored`` after a notice: exact when its
+    stop checkpoint was confirmed durable, else at most ``stop_at - restored`` (no rank trains
+    past the planned stop). None without a notice record that this restart has not counted."""
+    if not record or record.get("restored_by") is not None:
+        return None
+    writer = record.get("generation")
+    if isinstance(writer, int) and writer >= generation:  # a record of this attempt or a newer one
+        return None
+    for key in ("stopped_at", "stop_at"):
+        if isinstance(record.get(key), int):
+            return max(0, record[key] - restored)
+    return None
 
 
 def draining_nodes() -> dict[str, float | None]:

@@ -38,7 +38,7 @@ from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
 from ray_checkfreq.ray.metrics import CheckFreqMetrics
 from ray_checkfreq.ray.policy_actor import PolicyLink
-from ray_checkfreq.ray.preemption import DrainWatcher, Notice, stop_iteration
+from ray_checkfreq.ray.preemption import DrainWatcher, Notice, lost_after_notice, notice_record, stop_iteration
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.restart import RestoreChoice, choose_source
 from ray_checkfreq.ray.transfer import (
@@ -240,26 +240,28 @@ class CheckFreq:
     # ----------------------------------------------------------------- restore
     def restore(self) -> int:
         """The restart protocol; returns the iteration to resume at (0 on a fresh run)."""
-        mine = [asdict(self._choose()), self.generation] if self.rank == 0 else None
+        mine = ([asdict(self._choose()), self.generation, self.store.read_metadata(NOTICES_NAME)]
+                if self.rank == 0 else None)
         decided = broadcast_json(mine, src=0, rank=self.rank, group=self._control_group)
         choice = RestoreChoice(**decided[0])
         self.generation = int(decided[1])
+        notice_record = decided[2]
         if self._policy is not None:
             self._policy.generation = self.generation
         started = time.perf_counter()
         if self.rank == 0:
             self.engine.load_cached_profile()
         if choice.kind == "none":
+            iteration = 0
             self.restore_info = {"kind": "none", "step": 0, "seconds": 0.0}
-            self._restored(0, None)
-            return 0
-        state = self._load(choice)
-        iteration = self.engine.apply_state(state)
-        del state
-        kind = "storage" if self._fell_back else choice.kind  # what was read, not only what was chosen
-        self.restore_info = {"kind": kind, "step": iteration, "node_id": choice.node_id,
-                             "committed_step": choice.committed_step, "seconds": time.perf_counter() - started,
-                             "lost_after_notice": self._lost_after_notice(iteration)}
+        else:
+            state = self._load(choice)
+            iteration = self.engine.apply_state(state)
+            del state
+            kind = "storage" if self._fell_back else choice.kind  # what was read, not only what was chosen
+            self.restore_info = {"kind": kind, "step": iteration, "node_id": choice.node_id,
+                                 "committed_step": choice.committed_step, "seconds": time.perf_counter() - started}
+        self.restore_info["lost_after_notice"] = self._count_notice_loss(notice_record, iteration)
         if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
             self._persist_restored_slot(choice)
         logger.info("rank %d restored iteration %d from %s", self.rank, iteration, choice.kind)
@@ -272,12 +274,25 @@ class CheckFreq:
         if self.metrics is not None and self.restore_info is not None:
             self.metrics.record_restore(self.restore_info["kind"], self.restore_info.get("lost_after_notice"))
 
-    def _lost_after_notice(self, restored: int) -> int | None:
-        """Iterations lost when the previous attempt stopped on a notice (else None)."""
-        record = self.store.read_metadata(NOTICES_NAME)
-        if not record or not isinstance(record.get("stopped_at"), int):
+    def _count_notice_loss(self, record: dict | None, restored: int) -> int | None:
+        """Iterations lost to the previous attempt's notice (None: it stopped for another
+        reason); rank 0 marks the record counted, so a later restart does not count it again."""
+        lost = lost_after_notice(record, restored=restored, generation=self._current_generation())
+        if lost is None or record is None:
             return None
-        return max(0, record["stopped_at"] - restored)
+        if record.get("stopped_at") is None:
+            logger.warning("the previous attempt was stopped before its notice checkpoint (iteration %s) was "
+                           "confirmed durable: up to %d iterations are trained again", record.get("stop_at"), lost)
+        if self.rank == 0:
+            self._write_notice_record({**record, "restored_by": self.generation})
+        return lost
+
+    def _write_notice_record(self, record: dict) -> None:
+        """A failed write loses only the statistic, never training: logged, not raised."""
+        try:
+            self.store.write_metadata(NOTICES_NAME, record)
+        except Exception as err:  # the store's errors vary by backend; the run goes on
+            logger.warning("could not record the preemption notice in %s: %s", NOTICES_NAME, err)
 
     def _choose(self) -> RestoreChoice:
         live = agents.live_agents(self.run)
@@ -433,6 +448,9 @@ class CheckFreq:
         if self.metrics is not None:
             self.metrics.record_notices(len(self.notices))
         logger.warning("preemption notice: checkpoint at iteration %d, then stop", self.engine.stop_at)
+        # Recorded now, not only at the commit: the group may be torn down before it.
+        self._write_notice_record(notice_record(self.notices, generation=self._current_generation(),
+                                                stop_at=self.engine.stop_at, stopped_at=None))
 
     def _stop_and_wait(self) -> None:
         """Make the stop checkpoint durable (rank 0), then block until the group is torn down:
@@ -443,7 +461,9 @@ class CheckFreq:
             record["committed_s"] = time.time()
             if record.get("deadline_s"):
                 record["committed_before_deadline_s"] = record["deadline_s"] - record["committed_s"]
-            self.store.write_metadata(NOTICES_NAME, {"notices": self.notices, "stopped_at": self.engine.iteration})
+            self._write_notice_record(notice_record(self.notices, generation=self._current_generation(),
+                                                    stop_at=self.engine.iteration,
+                                                    stopped_at=self.engine.iteration))
             logger.warning("preemption: iteration %d is durable; waiting for the restart", self.engine.iteration)
         while True:
             time.sleep(1.0)
