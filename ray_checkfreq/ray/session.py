@@ -315,6 +315,8 @@ class CheckFreq:
                 try:
                     if ray.get(ref, timeout=wait_s + 10):
                         pending.pop(node)
+                except ray.exceptions.GetTimeoutError:
+                    pass  # alive but slow to answer: still pending until the deadline
                 except ray.exceptions.RayError:
                     pending.pop(node)  # that agent is gone: nothing of it to wait for
             if pending:
