@@ -11,8 +11,9 @@ weights are compared with those of an uninterrupted run (run once and cached in
 the exit status is 1 if they are not (or the run failed a check), 2 for bad flags.
 
 The job is ``ray_checkfreq.chaos.job`` run by ``ray_checkfreq.chaos.runner`` (the same as
-``ray-checkfreq chaos --kinds worker,node,notice --nodes 2``) with k fixed at 4, so that
-the injector can aim at iterations; the policy-chosen k is shown by ``examples/demo.py``.
+``ray-checkfreq chaos --kinds worker,node,notice --nodes 2 --every 0``): k is chosen by
+the engine's policy (profiled at the start, within a 3.5 % overhead budget) and shown as
+it changes.
 
     python examples/ray_demo.py [--preemptions N] [--work-dir DIR] [--json OUT] [--png OUT]
                                 [--s3-endpoint URL --s3-bucket NAME] [--gpu]
@@ -32,7 +33,7 @@ from typing import Any
 KINDS = ("worker", "node", "notice")
 NODES = 2
 WORKERS = 2
-EVERY = 4
+FIRST_PREEMPTION = 10  # after the policy's profile and its first checkpoints
 EPOCH_LEN = 28  # 1792 digits in global batches of 64
 ALL_DIGITS = 1797
 VERDICT_YES = "final weights identical to an uninterrupted run: yes"
@@ -80,8 +81,8 @@ def iterations_for(preemptions: int) -> int:
 
 
 def preemption_iterations(preemptions: int, iterations: int) -> tuple[int, ...]:
-    """Evenly from iteration 6 to 24 before the end: room for a notice's deadline and a restart."""
-    first, last = EVERY + 2, iterations - 24
+    """Evenly from FIRST_PREEMPTION to 24 before the end: room for a notice's deadline and a restart."""
+    first, last = FIRST_PREEMPTION, iterations - 24
     if preemptions <= 1:
         return (first,) * preemptions
     return tuple(round(first + n * (last - first) / (preemptions - 1)) for n in range(preemptions))
@@ -91,7 +92,7 @@ def chaos_config(args: argparse.Namespace, work_dir: str) -> Any:
     from ray_checkfreq.chaos.runner import ChaosConfig
 
     iterations = iterations_for(args.preemptions)
-    return ChaosConfig(preemptions=args.preemptions, kinds=KINDS, nodes=NODES, workers=WORKERS, every=EVERY,
+    return ChaosConfig(preemptions=args.preemptions, kinds=KINDS, nodes=NODES, workers=WORKERS, every=None,
                        iterations=iterations, at=preemption_iterations(args.preemptions, iterations) or None,
                        replace=True, work_dir=work_dir,
                        cache_dir=args.cache_dir, tolerance=0.0, compress=None, s3_endpoint=args.s3_endpoint,
@@ -161,7 +162,7 @@ def table(summary: dict) -> list[str]:
     lines = [
         f"{'iterations':<34} {summary['iterations']} ({summary['epochs']:g} epochs of {EPOCH_LEN})",
         f"{'checkpoints per epoch':<34} {summary['checkpoints_per_epoch']:.1f}",
-        f"{'k (iterations between checkpoints)':<34} {summary['k']} (fixed, so the injector can aim)",
+        f"{'k (iterations between checkpoints)':<34} {summary['k']} (chosen by the policy; the largest in force)",
         f"{'checkpoint overhead':<34} " + ("-" if overhead is None else
                                           f"{overhead:.1f} % (engine's estimate; iterations include 0.1 s pacing)"),
         f"{'compression (stored / state bytes)':<34} " + ("-" if ratio is None else f"{ratio:.2f} ({codec})"),
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     png = args.png or os.path.join(work_dir, "timeline.png")
     runner.write_outputs(result, json_path=None, png_path=png,
                          title=f"ray_checkfreq demo: {args.preemptions} preemptions ({', '.join(KINDS)}), "
-                               f"{WORKERS} workers on {NODES} nodes, k = {EVERY}")
+                               f"{WORKERS} workers on {NODES} nodes, k chosen by the policy")
     if args.json:
         with open(args.json, "w") as out:
             report = {k: v for k, v in result.items() if not k.startswith("_")}

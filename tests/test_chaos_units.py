@@ -94,6 +94,27 @@ def test_config_is_validated():
         ChaosConfig(workers=(2, 1))
     with pytest.raises(ValueError, match="at="):
         ChaosConfig(at=(0, 5))
+    with pytest.raises(ValueError, match="every=0"):
+        ChaosConfig(every=0)
+
+
+def test_with_the_policy_the_job_gets_no_k_and_the_schedule_is_spaced_as_for_k_4():
+    policy = ChaosConfig(every=None, preemptions=3, iterations=56)
+    assert policy.interval is None
+    fixed = ChaosConfig(every=4, preemptions=3, iterations=56)
+    assert [p.at_iteration for p in plan(policy)] == [p.at_iteration for p in plan(fixed)]
+    assert ChaosConfig(every=4, checkpoints="epoch").interval == 28
+
+
+def test_every_0_on_the_command_line_is_the_policy():
+    import argparse
+
+    from ray_checkfreq.chaos.cli import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert config_from_args(parser.parse_args(["chaos", "--every", "0"])).every is None
+    assert config_from_args(parser.parse_args(["chaos", "--every", "6"])).every == 6
 
 
 # ---------------------------------------------------------------------- report
@@ -140,6 +161,15 @@ def test_report_counts_lost_work_restart_time_and_no_lost_or_repeated_samples():
     assert totals["commits"] == 2 and totals["time_to_finish_s"] == pytest.approx(30.0)
     outcome = totals["detail"]["preemptions"][0]
     assert outcome["restored_step"] == 4 and outcome["restored_from"] == "slot"
+
+
+def test_with_the_policy_the_bound_uses_the_largest_k_it_picked():
+    events = [dict(e, k=None) if e["event"] == "start" else e for e in _log()]
+    events += [{"t": 2.5, "event": "k", "rank": 0, "attempt": 1, "iteration": 1, "k": 1},
+               {"t": 4.5, "event": "k", "rank": 0, "attempt": 1, "iteration": 3, "k": 3},
+               {"t": 4.5, "event": "k", "rank": 1, "attempt": 1, "iteration": 3, "k": 9}]  # not rank 0's: ignored
+    totals = report.build_report(events)
+    assert totals["k_max"] == 3 and totals["lost_iterations_bound"] == 6
 
 
 def test_report_sees_a_repeated_sample():
@@ -250,6 +280,7 @@ def test_help_documents_every_kind_and_schedule(capsys):
     (["--workers", "5", "--nodes", "3"], "more workers than the 3 training nodes"),
     (["--min-workers", "3", "--workers", "2"], "workers=(3, 2)"),
     (["--at", "4,x"], "--at '4,x'"),
+    (["--every", "-1"], "--every=-1"),
 ])
 def test_bad_flags_name_the_value(args, named, capsys):
     from ray_checkfreq import cli

@@ -49,7 +49,7 @@ def test_the_table_shows_each_figure_and_ends_with_the_verdict(demo):
     assert lines[-1] == VERDICT_YES
     assert "56 (2 epochs of 28)" in text
     assert "checkpoints per epoch              8.0" in text
-    assert "4 (fixed" in text
+    assert "4 (chosen by the policy" in text
     assert "2.1 %" in text and "0.93 (compressed)" in text and "compression (stored / state bytes)" in text
     assert "98.0 % (training set: all 1797 digit images" in text
     # the proof of the resume: the iteration each restart began at, and the work it lost
@@ -110,8 +110,9 @@ def test_the_default_plan_is_three_preemptions_of_three_kinds_on_two_nodes(demo,
     preemptions = plan(config)
     assert [p.kind for p in preemptions] == ["worker", "node", "notice"]
     # the last one leaves room for a notice's deadline (~2 s of training) and a checkpoint after the restart
-    assert [p.at_iteration for p in preemptions] == [6, 19, 32]
+    assert [p.at_iteration for p in preemptions] == [10, 21, 32]
     assert config.iterations == 56 and config.tolerance == 0.0  # identical means bit-identical
+    assert config.every is None  # the policy chooses k
 
 
 @pytest.mark.parametrize("preemptions", [0, 1, 2, 5, 8, 20])
@@ -119,7 +120,7 @@ def test_any_count_of_preemptions_gets_distinct_iterations_with_room_after(demo,
     config = demo.chaos_config(demo.parse_args(["--preemptions", str(preemptions)]), str(tmp_path))
     at = [p.at_iteration for p in plan(config)]
     assert len(at) == preemptions and len(set(at)) == preemptions
-    assert all(demo.EVERY < i <= config.iterations - 24 for i in at)
+    assert all(demo.FIRST_PREEMPTION <= i <= config.iterations - 24 for i in at)
     assert config.iterations % 28 == 0 and config.iterations >= 12 * preemptions
 
 

@@ -49,7 +49,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--mtbp-s", type=float, default=15.0, help="mean running seconds between preemptions (poisson; default 15)")
     add("--min-gap", type=int, default=None, help="iterations between random preemptions (default 2k)")
     add("--iterations", type=int, default=56, help="iterations to train (default 56: 2 epochs)")
-    add("--every", type=int, default=4, help="checkpoint interval k of ray_checkfreq (default 4)")
+    add("--every", type=int, default=4, help="checkpoint interval k of ray_checkfreq; 0: its policy picks k "
+                                              "(default 4)")
     add("--workers", type=int, default=2, help="training workers (default 2)")
     add("--min-workers", type=int, default=None,
         help="elastic: ScalingConfig(num_workers=(MIN, --workers)); use with --no-replace")
@@ -75,8 +76,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     for flag in ("preemptions", "iterations", "every", "workers", "nodes", "min_gap", "min_workers"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "preemptions" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')}={value}: must be >= {0 if flag == 'preemptions' else 1}")
+        low = 0 if flag in ("preemptions", "every") else 1
+        if value is not None and value < low:
+            raise ValueError(f"--{flag.replace('_', '-')}={value}: must be >= {low}")
     for flag in ("mtbp_s", "replace_delay_s", "notice_deadline_s", "sleep_s"):
         value = getattr(args, flag)
         if not value >= 0 or (flag == "mtbp_s" and value == 0):
@@ -85,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     kinds = args.kinds or (COMPARE_KINDS if args.compare else DEFAULT_KINDS)
     return ChaosConfig(preemptions=args.preemptions, kinds=parse_kinds(kinds), schedule=args.schedule,
                        at=_iterations(args.at), seed=args.seed, mtbp_s=args.mtbp_s, min_gap=args.min_gap,
-                       iterations=args.iterations, every=args.every, workers=workers, nodes=args.nodes,
+                       iterations=args.iterations, every=args.every or None, workers=workers, nodes=args.nodes,
                        replace=not args.no_replace, replace_delay_s=args.replace_delay_s,
                        notice_deadline_s=args.notice_deadline_s, sleep_s=args.sleep_s, work_dir=args.work_dir,
                        cache_dir=args.cache_dir, progress=_progress,

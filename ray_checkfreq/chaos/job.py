@@ -7,13 +7,15 @@ every rank of one attempt shares it, a later attempt has a larger one):
 - ``batch``: the iteration trained and the global sample ids this rank used, written
   after ``optimizer.step()`` and before ``cf.step()`` (a rank stopped inside ``cf.step()``
   by a notice has logged the iteration it checkpointed);
-- ``stats`` (rank 0, with ``log_stats``): the engine's figures after every checkpoint
-  interval, so that a killed attempt leaves its figures too;
+- ``stats`` (rank 0, with ``log_stats``): the engine's figures (k included) after every
+  checkpoint interval, so that a killed attempt leaves its figures too;
+- ``k`` (rank 0, when the policy picks k): the k in force, each time it changes;
 - ``end``: the final iteration and the engine's figures.
 Rank 0 saves the final weights to ``<work_dir>/final.pt``.
 
 Config keys: ``work_dir``, ``store_dir``, ``control_dir`` (hold points, see ``holds.py``),
-``iterations``, ``every`` (k; ``epoch_len`` for epoch-boundary checkpoints),
+``iterations``, ``every`` (k; ``epoch_len`` for epoch-boundary checkpoints; None: the
+engine's policy picks k),
 ``global_batch``, ``sleep_s`` (pacing, so that the injector can aim), ``notices``
 (False: a baseline that does not react to drain notices). Optional: ``compress`` (the
 engine's: None measures whether the codec pays; default False), ``store_uri`` and
@@ -77,6 +79,7 @@ class EventLog:
         self.path = os.path.join(work_dir, f"log-{rank}.jsonl")
         self.rank = rank
         self.attempt: int | None = None
+        self.k: int | None = None  # the k last logged
 
     def __call__(self, event: str, **fields: Any) -> None:
         line = json.dumps({"t": time.time(), "event": event, "rank": self.rank, "attempt": self.attempt, **fields})
@@ -153,7 +156,10 @@ def _train_loop(config: dict, cf: Any, data: Any, model: Any, optimizer: Any, im
             iteration = cf.iteration + 1
             log("batch", iteration=iteration, epoch=(iteration - 1) // epoch_len, ids=ids.tolist())
             cf.step()
-            if config.get("log_stats") and log.rank == 0 and cf.iteration % config["every"] == 0:
+            if config["every"] is None and log.rank == 0 and cf.engine.applied_k != log.k:
+                log.k = cf.engine.applied_k
+                log("k", iteration=cf.iteration, k=log.k)
+            if config.get("log_stats") and log.rank == 0 and cf.iteration % (config["every"] or 1) == 0:
                 log("stats", iteration=cf.iteration, stats=_plain(cf.engine.stats()))
             if config.get("sleep_s"):
                 time.sleep(config["sleep_s"])

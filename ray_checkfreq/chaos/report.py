@@ -85,6 +85,13 @@ def sample_accounting(kept: list[dict], *, samples: int, global_batch: int, epoc
     return {"samples_lost": lost, "samples_repeated": repeated}
 
 
+def largest_k(events: list[dict]) -> int:
+    """The largest k in force: the fixed k of the start events, or every k the policy picked."""
+    fixed = [e.get("k") or 0 for e in events if e["event"] == "start"]
+    picked = [e.get("k") or 0 for e in events if e["event"] == "k" and e.get("rank") == 0]
+    return max(fixed + picked, default=0)
+
+
 def preemption_outcomes(events: list[dict], found: list[Attempt]) -> list[dict]:
     """Per injected preemption: the restart it caused (if any), what it restored, the work lost."""
     injects = sorted((e for e in events if e["event"] == "inject"), key=lambda e: e["t"])
@@ -122,7 +129,7 @@ def build_report(events: list[dict], *, identical: bool | None = None, max_abs_d
     accounting = sample_accounting(kept, samples=first["samples"], global_batch=first["global_batch"],
                                    epoch_len=first["epoch_len"], total_iterations=total)
     outcomes = preemption_outcomes(events, found)
-    k_max = max(e.get("k") or 0 for e in events if e["event"] == "start")
+    k_max = largest_k(events)
     lost = [o["lost_iterations"] for o in outcomes]
     restarts = [o["restart_to_first_step_s"] for o in outcomes if o["restart_to_first_step_s"] is not None]
     run_start = min(e["t"] for e in events if e["event"] in ("run_start", "start"))

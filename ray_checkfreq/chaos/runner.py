@@ -40,6 +40,7 @@ CHECKPOINTING = ("checkfreq", "epoch")
 RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
            "RAY_DEDUP_LOGS": "0"}
 NO_RESTART_KINDS = ("agent",)  # a node agent is replaced without restarting the job
+POLICY_SPACING_K = 4  # with the policy: first preemption after its profile (~4 iterations) and a commit
 JOB_VERSION = "digits-cnn-1"  # part of the reference's cache key: change it when the job changes
 
 
@@ -47,8 +48,9 @@ JOB_VERSION = "digits-cnn-1"  # part of the reference's cache key: change it whe
 class ChaosConfig:
     """One chaos run; units in the names.
 
-    ``checkpoints``: "checkfreq" (every ``every`` iterations, notices handled) or "epoch"
-    (one checkpoint per epoch, notices ignored: the baseline of ``compare``).
+    ``checkpoints``: "checkfreq" (every ``every`` iterations, notices handled; ``every``
+    None: k chosen and adapted by the engine's policy) or "epoch" (one checkpoint per
+    epoch, notices ignored: the baseline of ``compare``).
     ``at``: the iterations of the "iterations" schedule (default: spread evenly).
     ``workers``: a count (fixed world size) or (min, max) (elastic).
     ``compress``: the engine's (None: measured). ``s3_bucket`` (and ``s3_endpoint``):
@@ -65,7 +67,7 @@ class ChaosConfig:
     mtbp_s: float = 15.0
     min_gap: int | None = None
     iterations: int = 56
-    every: int = 4
+    every: int | None = 4
     checkpoints: str = "checkfreq"
     workers: int | tuple[int, int] = 2
     nodes: int = 3
@@ -92,8 +94,10 @@ class ChaosConfig:
         if self.checkpoints not in CHECKPOINTING:
             raise ValueError(f"checkpoints={self.checkpoints!r}: expected one of {', '.join(CHECKPOINTING)}")
         for name in ("iterations", "every", "nodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+            value = getattr(self, name)
+            if not (value is None and name == "every") and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: must be an int >= 1" + (" or None (the policy)"
+                                                                             if name == "every" else ""))
         if self.preemptions < 0:
             raise ValueError(f"preemptions={self.preemptions!r}: must be >= 0")
         low, high = self.world_range
@@ -118,18 +122,24 @@ class ChaosConfig:
         return chaos_job.epoch_length(chaos_job.SAMPLES, chaos_job.GLOBAL_BATCH)
 
     @property
-    def interval(self) -> int:
+    def interval(self) -> int | None:
+        """k for the job: fixed, one epoch, or None (the policy picks it)."""
         return self.epoch_len if self.checkpoints == "epoch" else self.every
+
+    @property
+    def spacing(self) -> int:
+        """The k the schedule spaces preemptions by (the policy's k is not known beforehand)."""
+        return self.every or POLICY_SPACING_K
 
 
 def plan(config: ChaosConfig) -> list[schedules.Preemption]:
     """The preemptions of this run (the same for both arms of ``compare``)."""
     # The last preemption leaves room for a notice's deadline and a checkpoint after the restart.
-    first, last = min(config.every + 2, config.iterations), max(config.iterations - 2 * config.every - 4, 1)
+    first, last = min(config.spacing + 2, config.iterations), max(config.iterations - 2 * config.spacing - 4, 1)
     if config.schedule == "poisson":
         return schedules.poisson(config.preemptions, config.kinds, mtbp_s=config.mtbp_s, seed=config.seed)
     if config.schedule == "random":
-        gap = config.min_gap or 2 * config.every
+        gap = config.min_gap or 2 * config.spacing
         return schedules.seeded_random(config.preemptions, config.kinds, first=first, last=last, min_gap=gap,
                                        seed=config.seed)
     if config.at is not None:
@@ -421,6 +431,8 @@ class Injector:
                     self._resumed_t = event["t"]
             elif kind == "commit":
                 self._print(event["t"], f"commit: checkpoint of iteration {event['step']}")
+            elif kind == "k":
+                self._print(event["t"], f"policy: k = {event['k']} from iteration {event['iteration']}")
 
     def _resumed_by(self, batch: dict) -> bool:
         """Whether this batch shows the job training again after the last preemption: after the

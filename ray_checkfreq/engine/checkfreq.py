@@ -503,6 +503,11 @@ class CheckFreq:
         """The k the planner plans with now (it reaches every rank with the next action)."""
         return self._k
 
+    @property
+    def applied_k(self) -> int | None:
+        """The k of the actions applied so far on this rank (None before the policy decided)."""
+        return self._k_applied
+
     def set_k(self, k: int) -> None:
         """Planner only: a k decided elsewhere (a policy shared by all ranks). The next planned
         action carries it, so every rank switches at the same iteration; the next checkpoint
