@@ -33,7 +33,9 @@ from typing import Any
 KINDS = ("worker", "node", "notice")
 NODES = 2
 WORKERS = 2
-FIRST_PREEMPTION = 10  # after the policy's profile and its first checkpoints
+# The policy profiles ~50 iterations before it picks k (quiet iterations, then three
+# measured checkpoints); a restart before that would profile again.
+FIRST_PREEMPTION = 60
 EPOCH_LEN = 28  # 1792 digits in global batches of 64
 ALL_DIGITS = 1797
 VERDICT_YES = "final weights identical to an uninterrupted run: yes"
@@ -76,8 +78,8 @@ def validate(args: argparse.Namespace, *, cuda_available: bool) -> None:
 
 
 def iterations_for(preemptions: int) -> int:
-    """Whole epochs, at least 2, with ~12 iterations of room per preemption."""
-    return EPOCH_LEN * max(2, math.ceil((12 * preemptions + 20) / EPOCH_LEN))
+    """Whole epochs: the profile first, ~12 iterations of room per preemption, 24 after the last."""
+    return EPOCH_LEN * max(2, math.ceil((FIRST_PREEMPTION + 12 * max(0, preemptions - 1) + 24) / EPOCH_LEN))
 
 
 def preemption_iterations(preemptions: int, iterations: int) -> tuple[int, ...]:
@@ -100,7 +102,10 @@ def chaos_config(args: argparse.Namespace, work_dir: str) -> Any:
 
 
 def _progress(line: str) -> None:
-    print(line, flush=True)
+    """One line per event, commits left out (at the policy's k they come every iteration or
+    two: the table counts them and the timeline marks them)."""
+    if "] commit: " not in line:
+        print(line, flush=True)
 
 
 # ---------------------------------------------------------------------- the table (pure)

@@ -106,6 +106,41 @@ def test_with_the_policy_the_job_gets_no_k_and_the_schedule_is_spaced_as_for_k_4
     assert ChaosConfig(every=4, checkpoints="epoch").interval == 28
 
 
+class _PolicyEngine:
+    applied_k: int | None = None
+
+
+class _FakeCheckFreq:
+    """What the chaos job's loop uses of CheckFreq: the policy picks k 2 at step 3, 5 at step 6."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+        self.engine = _PolicyEngine()
+
+    def step(self) -> None:
+        self.iteration += 1
+        self.engine.applied_k = None if self.iteration < 3 else 2 if self.iteration < 6 else 5
+
+
+@pytest.mark.parametrize(("rank", "every", "logged"), [(0, None, [(3, 2), (6, 5)]), (1, None, []), (0, 4, [])])
+def test_with_the_policy_rank0_logs_each_k_it_switches_to(tmp_path, rank, every, logged):
+    import json
+
+    import torch
+
+    from ray_checkfreq.chaos import job
+
+    images, labels = job.digits(8)
+    model = job.small_cnn()
+    log = job.EventLog(str(tmp_path), rank)
+    job._train_loop({"iterations": 8, "every": every}, _FakeCheckFreq(), [[0, 1], [2, 3], [4, 5], [6, 7]], model,
+                    torch.optim.SGD(model.parameters(), lr=0.1), images, labels, log, 4)
+    with open(log.path) as lines:
+        events = [json.loads(line) for line in lines]
+    assert [(e["iteration"], e["k"]) for e in events if e["event"] == "k"] == logged
+    assert [e["iteration"] for e in events if e["event"] == "batch"] == list(range(1, 9))
+
+
 def test_every_0_on_the_command_line_is_the_policy():
     import argparse
 

@@ -110,8 +110,8 @@ def test_the_default_plan_is_three_preemptions_of_three_kinds_on_two_nodes(demo,
     preemptions = plan(config)
     assert [p.kind for p in preemptions] == ["worker", "node", "notice"]
     # the last one leaves room for a notice's deadline (~2 s of training) and a checkpoint after the restart
-    assert [p.at_iteration for p in preemptions] == [10, 21, 32]
-    assert config.iterations == 56 and config.tolerance == 0.0  # identical means bit-identical
+    assert [p.at_iteration for p in preemptions] == [60, 74, 88]
+    assert config.iterations == 112 and config.tolerance == 0.0  # identical means bit-identical
     assert config.every is None  # the policy chooses k
 
 
