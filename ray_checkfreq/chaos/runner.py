@@ -40,7 +40,9 @@ CHECKPOINTING = ("checkfreq", "epoch")
 RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
            "RAY_DEDUP_LOGS": "0"}
 NO_RESTART_KINDS = ("agent",)  # a node agent is replaced without restarting the job
-POLICY_SPACING_K = 4  # with the policy: first preemption after its profile (~4 iterations) and a commit
+# With the policy k is not known beforehand: the schedule is spaced as for k = 4. The policy
+# profiles ~50 iterations first, so a run with it wants preemptions after that (``at``).
+POLICY_SPACING_K = 4
 JOB_VERSION = "digits-cnn-1"  # part of the reference's cache key: change it when the job changes
 
 

@@ -245,7 +245,7 @@ class CheckFreq:
         decided = broadcast_json(mine, src=0, rank=self.rank, group=self._control_group)
         choice = RestoreChoice(**decided[0])
         self.generation = int(decided[1])
-        notice_record = decided[2]
+        recorded_notice = decided[2]
         if self._policy is not None:
             self._policy.generation = self.generation
         started = time.perf_counter()
@@ -261,7 +261,7 @@ class CheckFreq:
             kind = "storage" if self._fell_back else choice.kind  # what was read, not only what was chosen
             self.restore_info = {"kind": kind, "step": iteration, "node_id": choice.node_id,
                                  "committed_step": choice.committed_step, "seconds": time.perf_counter() - started}
-        self.restore_info["lost_after_notice"] = self._count_notice_loss(notice_record, iteration)
+        self.restore_info["lost_after_notice"] = self._count_notice_loss(recorded_notice, iteration)
         if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
             self._persist_restored_slot(choice)
         logger.info("rank %d restored iteration %d from %s", self.rank, iteration, choice.kind)
@@ -280,7 +280,7 @@ class CheckFreq:
         lost = lost_after_notice(record, restored=restored, generation=self._current_generation())
         if lost is None or record is None:
             return None
-        if record.get("stopped_at") is None:
+        if record.get("stopped_at") is None and self.rank == 0:
             logger.warning("the previous attempt was stopped before its notice checkpoint (iteration %s) was "
                            "confirmed durable: up to %d iterations are trained again", record.get("stop_at"), lost)
         if self.rank == 0:
