@@ -10,10 +10,11 @@ weights are compared with those of an uninterrupted run (run once and cached in
 ``~/.cache/ray_checkfreq/chaos``): the last line says whether they are identical, and
 the exit status is 1 if they are not (or the run failed a check), 2 for bad flags.
 
-The job is ``ray_checkfreq.chaos.job`` run by ``ray_checkfreq.chaos.runner`` (the same as
-``ray-checkfreq chaos --kinds worker,node,notice --nodes 2 --every 0``): k is chosen by
-the engine's policy (profiled at the start, within a 3.5 % overhead budget) and shown as
-it changes.
+The job is ``ray_checkfreq.chaos.job`` run by ``ray_checkfreq.chaos.runner`` (as by
+``ray-checkfreq chaos --kinds worker,node,notice --nodes 2 --every 0 --iterations 112
+--at 60,74,88``): k is chosen by the engine's policy (profiled over the first ~50
+iterations, within a 3.5 % overhead budget) and shown as it changes; the demo also lets
+the engine measure whether compression pays.
 
     python examples/ray_demo.py [--preemptions N] [--work-dir DIR] [--json OUT] [--png OUT]
                                 [--s3-endpoint URL --s3-bucket NAME] [--gpu]
