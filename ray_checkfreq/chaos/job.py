@@ -159,7 +159,7 @@ def _train_loop(config: dict, cf: Any, data: Any, model: Any, optimizer: Any, im
             if config["every"] is None and log.rank == 0 and cf.engine.applied_k != log.k:
                 log.k = cf.engine.applied_k
                 log("k", iteration=cf.iteration, k=log.k)
-            if config.get("log_stats") and log.rank == 0 and cf.iteration % (config["every"] or 1) == 0:
+            if config.get("log_stats") and log.rank == 0 and cf.iteration % (config["every"] or log.k or 1) == 0:
                 log("stats", iteration=cf.iteration, stats=_plain(cf.engine.stats()))
             if config.get("sleep_s"):
                 time.sleep(config["sleep_s"])

@@ -95,11 +95,11 @@ class ChaosConfig:
             raise ValueError(f"schedule={self.schedule!r}: expected one of {', '.join(schedules.SCHEDULES)}")
         if self.checkpoints not in CHECKPOINTING:
             raise ValueError(f"checkpoints={self.checkpoints!r}: expected one of {', '.join(CHECKPOINTING)}")
-        for name in ("iterations", "every", "nodes"):
-            value = getattr(self, name)
-            if not (value is None and name == "every") and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: must be an int >= 1" + (" or None (the policy)"
-                                                                             if name == "every" else ""))
+        for name in ("iterations", "nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"every={self.every!r}: must be >= 1, or None (the policy picks k)")
         if self.preemptions < 0:
             raise ValueError(f"preemptions={self.preemptions!r}: must be >= 0")
         low, high = self.world_range
