@@ -14,26 +14,29 @@ import pytest
 from ray_checkfreq.bench import ray_bench
 from ray_checkfreq.bench import ray_bench_job as job
 
+TRAIN_RESOURCE = "rcf_train"  # the session cluster's train nodes (conftest.py)
 REQUIRED = ("k", "overhead_ours_policy", "overhead_ours_same_k", "overhead_report_sync", "overhead_report_async")
 CONFIG = {"width": 8, "layers": 1, "batch": 2, "iterations": 10, "warmup": 2, "repeats": 2, "overhead": 0.035,
           "min_interval_s": 2.0, "epoch_len": 100, "profile_iters": 2}
 
 
 @pytest.mark.chaos
-def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
+def test_smoke_run_measures_every_variant_and_a_recovery(ray_cluster, tmp_path):
     out = tmp_path / "ray.json"
-    # A child process: the bench starts its own cluster_utils.Cluster, and this pytest
-    # process may hold the session's Ray runtime already.
-    # The Train controller polls its workers every 0.5 s instead of 2: the kill and the
-    # end of the run are seen sooner (nothing measured depends on it).
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    # On the session's cluster (two of its one-CPU train nodes; starting a cluster of its own
+    # would cost ~12 s more), from a child process: the bench is a driver of its own.
+    train_nodes = [node for node in ray_cluster.worker_nodes if node.node_id in _alive_train_node_ids()]
+    assert len(train_nodes) >= 2, "the session cluster has fewer than 2 train nodes left"
+    env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
         [sys.executable, "-m", "ray_checkfreq.cli", "bench", "ray", "--state-mb", "2", "--iterations", "8",
-         "--warmup", "4", "--repeats", "1", "--every", "4", "--json", str(out)],
+         "--warmup", "4", "--repeats", "1", "--every", "4", "--json", str(out),
+         "--address", ray_cluster.address, "--worker-resource", TRAIN_RESOURCE],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert _actors_of_run("bench-ray") == [], "the run's agents or policy actor outlived fit() on a shared cluster"
     figures = json.loads(out.read_text())
     for key in REQUIRED:
         assert math.isfinite(figures[key]), key
@@ -58,6 +61,22 @@ def test_smoke_run_measures_every_variant_and_a_recovery(tmp_path):
         runs = variants[name]["runs"]
         assert len(runs[0]["iteration_ends_s"]) == runs[0]["iterations"], name
         assert math.isfinite(figures["spikes"][name]), name
+
+
+def _alive_train_node_ids() -> set[str]:
+    import ray
+
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"] and TRAIN_RESOURCE in node["Resources"]}
+
+
+def _actors_of_run(name: str) -> list[str]:
+    import ray
+
+    from ray_checkfreq.ray.agent import NAMESPACE, run_key
+
+    key = run_key(name)
+    return [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == NAMESPACE and key in entry["name"]]
 
 
 def test_k_is_the_smallest_interval_past_the_report_throttle():
@@ -129,6 +148,8 @@ def test_bad_settings_name_the_flag(tmp_path):
     ray_bench.add_arguments(parser)
     with pytest.raises(ValueError, match="--repeats=0"):
         ray_bench.job_config(parser.parse_args(["--repeats", "0"]), str(tmp_path))
+    with pytest.raises(ValueError, match="--worker-resource=gpu_box needs --address"):
+        ray_bench.job_config(parser.parse_args(["--worker-resource", "gpu_box"]), str(tmp_path))
     with pytest.raises(ValueError, match="--overhead=1.5"):
         ray_bench.job_config(parser.parse_args(["--overhead", "1.5"]), str(tmp_path))
 

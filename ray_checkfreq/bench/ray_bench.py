@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=None, help="fix k instead of deriving it from Ti")
     parser.add_argument("--epoch-len", type=int, default=1000, help="iterations per epoch (default 1000)")
     parser.add_argument("--no-kill", action="store_true", help="skip the recovery run")
+    parser.add_argument("--address", default=None,
+                        help="run on this running Ray cluster instead of starting one; its nodes must share this "
+                             "machine's temporary directory (a cluster on this machine), and 2 CPUs must be free")
+    parser.add_argument("--worker-resource", default=None,
+                        help="a custom resource each of the 2 workers also asks 1 of (with --address: places them)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
 
 
@@ -70,6 +75,9 @@ def job_config(args: argparse.Namespace, work_dir: str) -> dict:
     for name in ("state_mb", "batch", "iterations", "warmup", "repeats", "epoch_len", "policy_max_iterations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.worker_resource and not args.address:
+        raise ValueError(f"--worker-resource={args.worker_resource} needs --address (the bench's own cluster "
+                         f"places its workers itself)")
     if not 0 < args.overhead < 1 or not args.min_interval_s > 0:
         raise ValueError(f"--overhead={args.overhead} must be in (0, 1), --min-interval-s={args.min_interval_s} > 0")
     width, layers = mlp_shape(args.state_mb)
@@ -78,6 +86,7 @@ def job_config(args: argparse.Namespace, work_dir: str) -> dict:
             "min_interval_s": args.min_interval_s, "every": args.every, "epoch_len": args.epoch_len,
             "policy_max_iterations": max(args.policy_max_iterations, args.iterations),
             "profile_iters": max(2, args.warmup // 3), "kill": not args.no_kill, "work_dir": work_dir,
+            "address": args.address, "worker_resource": args.worker_resource,
             "results_path": os.path.join(work_dir, "results.jsonl")}
 
 
@@ -86,7 +95,10 @@ def run_ray_bench(args: argparse.Namespace) -> dict:
         config = job_config(args, work_dir)
         started = time.perf_counter()
         load_before = os.getloadavg()[0]
-        _fit_on_own_cluster(config, work_dir)
+        if config["address"]:
+            _fit_on_running_cluster(config, work_dir)
+        else:
+            _fit_on_own_cluster(config, work_dir)
         with open(config["results_path"]) as lines:
             results = [json.loads(line) for line in lines]
     figures = summarize(results, config)
@@ -95,14 +107,32 @@ def run_ray_bench(args: argparse.Namespace) -> dict:
     return figures
 
 
+def _refuse_a_connected_process() -> None:
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("bench ray connects to its own Ray cluster: run it in a process without Ray "
+                           "(the CLI `ray-checkfreq bench ray` does)")
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "120")
+
+
+def _fit_on_running_cluster(config: dict, work_dir: str) -> None:
+    import ray
+
+    _refuse_a_connected_process()
+    ray.init(address=config["address"], log_to_driver=False, configure_logging=False)
+    try:
+        _fit(config, work_dir)
+    finally:
+        ray.shutdown()
+
+
 def _fit_on_own_cluster(config: dict, work_dir: str) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        raise RuntimeError("bench ray starts its own Ray cluster: run it in a process without Ray "
-                           "(the CLI `ray-checkfreq bench ray` does)")
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "120")
+    _refuse_a_connected_process()
+    config["worker_resource"] = TRAIN_RESOURCE
     # Two one-CPU nodes, the head one of them: every raylet (and its agents) started on this
     # machine costs start-up time, and the recovery kill hits rank 1, whichever node it is on.
     node: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 256 * MiB, "resources": {TRAIN_RESOURCE: 1}}
@@ -124,10 +154,13 @@ def _fit(config: dict, work_dir: str) -> None:
 
     from ray_checkfreq.ray import CheckFreqCallback
 
+    resources: dict[str, float] = {"CPU": 1}
+    if config["worker_resource"]:
+        resources[config["worker_resource"]] = 1
     trainer = TorchTrainer(
         job.train,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker=resources),
         run_config=RunConfig(name="bench-ray", storage_path=os.path.join(work_dir, "results"),
                              failure_config=FailureConfig(max_failures=1 if config["kill"] else 0),
                              checkpoint_config=CheckpointConfig(num_to_keep=1),
