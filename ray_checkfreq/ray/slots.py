@@ -39,6 +39,7 @@ import torch
 
 from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.storage.arrays import LeafSpec, leaf_bytes, leaf_from_buffer, leaf_spec, torch_dtype
+from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.tree import KeyPath, SkeletonError, flatten_state, unflatten_state
 
@@ -98,18 +99,21 @@ class SlotLayout:
 
 # ------------------------------------------------------------------ layout
 def slot_layout(tensors: Sequence[tuple[KeyPath, Sequence[int], torch.dtype]]) -> SlotLayout:
-    """Offsets aligned to 64 bytes, in the given order; the hash covers paths, shapes and dtypes."""
+    """Offsets in the given order, aligned to 64 bytes, large leaves to a block (so an agent
+    writes them from the slot around the page cache); the hash covers paths, shapes, dtypes
+    and that alignment rule."""
     entries: dict[KeyPath, tuple[int, tuple[int, ...], torch.dtype]] = {}
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"rcf-slot-layout/{FORMAT_VERSION}".encode())
+    digest.update(f"rcf-slot-layout/{FORMAT_VERSION}/{BLOCK}:{LARGE_LEAF_BYTES}".encode())
     end = 0
     for path, shape, dtype in tensors:
         dims = _checked_shape(path, shape)
         if path in entries:
             raise ValueError(f"key path {path!r} appears twice in the slot layout")
-        offset = _aligned(end, ALIGN)
+        nbytes = _numel(dims) * dtype.itemsize
+        offset = _aligned(end, BLOCK if nbytes >= LARGE_LEAF_BYTES else ALIGN)
         entries[path] = (offset, dims, dtype)
-        end = offset + _numel(dims) * dtype.itemsize
+        end = offset + nbytes
         digest.update(repr((tuple(path), dims, str(dtype))).encode() + b"\0")
     return SlotLayout(entries=entries, data_bytes=end, hash=digest.hexdigest())
 

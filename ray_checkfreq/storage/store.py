@@ -60,6 +60,7 @@ from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.history import HistoryTrim, is_trimmed, trim_history
@@ -79,7 +80,7 @@ logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
 ALIGN_BYTES = 64
-_ZEROS = bytes(ALIGN_BYTES)
+_ZEROS = bytes(BLOCK)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,14 +386,19 @@ class CheckpointStore:
             leaf = flat.leaves[index]
             encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None)
             length = memoryview(encoded.data).nbytes
+            start = _leaf_start(offset, length)
+            if start > offset:
+                chunks.append(_ZEROS[:start - offset])
             entries.append((index, TensorEntry(
-                key=key, spec=leaf_spec(leaf), codec=encoded.codec, shard=shard, offset=offset,
+                key=key, spec=leaf_spec(leaf), codec=encoded.codec, shard=shard, offset=start,
                 length=length, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
                 delta=encoded.delta,
             )))
-            pad = -length % ALIGN_BYTES
-            chunks += [encoded.data, _ZEROS[:pad]] if pad else [encoded.data]
-            offset += length + pad
+            chunks.append(encoded.data)
+            offset = start + length
+        if offset % ALIGN_BYTES:
+            chunks.append(_ZEROS[:-offset % ALIGN_BYTES])
+            offset += -offset % ALIGN_BYTES
         self.backend.write(f"{name}/{shard}", chunks)
         return entries, ShardEntry(name=shard, size_bytes=offset)
 
@@ -774,6 +780,13 @@ def _checked_meta(meta: dict | None) -> dict:
         raise UnsupportedStateError("meta", f"not JSON-serialisable: {err}") from None
 
 
+def _leaf_start(offset: int, length: int) -> int:
+    """Where a leaf of ``length`` bytes goes in a shard filled up to ``offset``: a large one on
+    a block boundary, so a local store writes it from the caller's memory (backends/direct.py)."""
+    align = BLOCK if length >= LARGE_LEAF_BYTES else ALIGN_BYTES
+    return offset + -offset % align
+
+
 def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
     """Greedy packing of leaves, in order, into shards of about ``shard_size_bytes``."""
     plan: dict[str, list[int]] = {}
@@ -785,7 +798,7 @@ def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
             plan[f"shard-{len(plan):05d}.bin"] = current
             current, size = [], 0
         current.append(index)
-        size += nbytes + (-nbytes % ALIGN_BYTES)
+        size = _leaf_start(size, nbytes) + nbytes
     if current or not plan:
         plan[f"shard-{len(plan):05d}.bin"] = current
     return plan
