@@ -118,3 +118,29 @@ def test_address_of_reads_only_and_empty_views():
     assert address_of(memoryview(PAGES)[BLOCK:]) == address_of(memoryview(PAGES)) + BLOCK
     assert address_of(memoryview(b"")) == 0
     assert address_of(memoryview(b"read-only")) > 0
+
+
+def test_the_engines_host_buffers_of_large_tensors_start_on_a_page():
+    from ray_checkfreq.engine.devices import CudaOps
+
+    ops = CudaOps()
+    large = ops.empty_host(torch.empty(LARGE_LEAF_BYTES // 4 + 1), pinned=False)
+    assert large.data_ptr() % mmap.PAGESIZE == 0 and large.shape == (LARGE_LEAF_BYTES // 4 + 1,)
+    large.fill_(2.0)
+    assert float(large.sum()) == 2.0 * large.numel()
+
+
+def test_a_single_process_checkpoint_writes_the_weights_in_place(tmp_path, monkeypatch):
+    from ray_checkfreq import CheckFreq
+
+    made = _records_writers(monkeypatch)
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights, 2 MiB of Adam moments
+    optimizer = torch.optim.Adam(model.parameters())
+    cf = CheckFreq(model=model, optimizer=optimizer, storage=str(tmp_path), every=1, compress=False)
+    cf.restore()
+    loss = model(torch.randn(4, 512)).square().mean()
+    loss.backward()
+    optimizer.step()
+    cf.step()
+    cf.close()
+    assert sum(writer.direct_bytes for writer in made) >= 3 * 512 * 512 * 4

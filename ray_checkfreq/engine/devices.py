@@ -14,10 +14,21 @@ caching allocator and be reused by the training stream while the copy still read
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Any, Protocol
 
 import torch
+
+from ray_checkfreq.storage.backends.direct import LARGE_LEAF_BYTES
+
+
+def page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor starting on a page, so a local store writes it around the
+    page cache without a staging copy (``torch.empty`` aligns to 64 bytes only)."""
+    nbytes = shape.numel() * dtype.itemsize
+    pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class DeviceOps(Protocol):
@@ -58,7 +69,10 @@ class CudaOps:
         return tensor.device if tensor.is_cuda else None
 
     def empty_host(self, like: torch.Tensor, *, pinned: bool) -> torch.Tensor:
-        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+        nbytes = like.numel() * like.element_size()
+        if pinned or nbytes < LARGE_LEAF_BYTES:
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+        return page_aligned_empty(like.shape, like.dtype)
 
     def empty_device(self, like: torch.Tensor, device: Any) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype, device=device)
