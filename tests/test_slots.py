@@ -172,7 +172,7 @@ def test_finish_interrupted_before_its_checksum_is_stored_stays_writing(tmp_path
     def die(*args):
         raise KeyboardInterrupt("killed while sealing")
 
-    monkeypatch.setattr(MappedSlot, "_data_crc", die)
+    monkeypatch.setattr(slots, "_digest", die)
     with pytest.raises(KeyboardInterrupt):
         write_complete(slot, step=2, fill=2.0)
     assert slot.header().state == SLOT_WRITING
@@ -216,6 +216,30 @@ def test_flipped_data_byte_fails_the_crc(tmp_path):
     for copy in (False, True):
         with pytest.raises(SlotError, match=r"rcf-a.*data crc32 mismatch"):
             slot.read(copy=copy)
+
+
+def test_a_store_keeps_the_seals_checksums_so_bytes_changed_before_the_persist_fail_the_load(tmp_path):
+    from ray_checkfreq.errors import CorruptCheckpointError
+    from ray_checkfreq.storage import CheckpointStore
+
+    path = str(tmp_path / "rcf-a")
+    slot = make_slot(path)
+    expected = write_complete(slot, step=1, fill=1.5)
+    store = CheckpointStore(str(tmp_path / "store"), full_every=1)
+    _, state, crcs = slot.read_with_checksums(verify_data=False)
+    assert len(crcs) == len(flatten_state(state).leaves) and crcs.count(None) == 1  # data/seen: in the meta region
+    store.save(1, state, codec="raw", raw_crc32=crcs)
+    del state
+    assert torch.equal(store.load()["model"]["w"], expected["model"]["w"])
+    _flip_byte(path, slots.HEADER_BYTES + 1000)  # RAM changed after the seal, before the persist
+    _, state, crcs = slot.read_with_checksums(verify_data=False)
+    for codec in ("raw", "rcfz"):
+        store.save(2, state, codec=codec, raw_crc32=crcs)
+        with pytest.raises(CorruptCheckpointError, match="model"):
+            store.load(2)
+        store.delete(2)
+    with pytest.raises(ValueError, match="raw_crc32 has 1 checksums for 4 leaves"):
+        store.save(3, state, raw_crc32=[0])
 
 
 def test_flipped_meta_byte_is_refused(tmp_path):

@@ -123,9 +123,9 @@ class NodeAgent:
             start = time.perf_counter()
             cpu_start = time.process_time()
             slot = self._slot(path)
-            # The data CRC was computed at the seal, moments ago, on this node; the store
-            # checksums what it writes. A restore reads with the check (read_packed, ranks).
-            header, state = slot.read(verify_data=False)
+            # The leaves' checksums were computed by the rank at the seal; the store keeps
+            # them (not ones of the bytes as they are now), so the load checks the rank's.
+            header, state, leaf_crcs = slot.read_with_checksums(verify_data=False)
             if header.seq != seq:
                 raise slots.SlotError(path, f"holds snapshot #{header.seq}, the request was for #{seq}")
             self._in_flight = header.step
@@ -134,7 +134,8 @@ class NodeAgent:
                     hold, self._hold_s = self._hold_s, 0.0
                     self._released.wait(hold)
                 writer = self._writer(store, generation)
-                ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec)
+                ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec,
+                                  raw_crc32=leaf_crcs)
                 if slot.header().seq != seq:  # the A/B rule makes this impossible; say so if it ever happens
                     logger.error("slot %s was rewritten while step %d was persisted from it", path, header.step)
             finally:

@@ -13,10 +13,15 @@ survives the rank's death.
 
 Invariants:
 - ``begin_write`` stores state WRITING (and seq + 1) before anything else changes;
-  ``finish_write`` stores state COMPLETE after meta, sizes and crc32. Stores to a shared
+  ``finish_write`` stores state COMPLETE after meta, sizes and checksums. Stores to a shared
   mapping become visible in program order on x86 (TSO), and all of a killed process's
   stores are visible once it is dead, so a slot reads COMPLETE only if its copy finished.
-- ``read`` returns only a COMPLETE slot whose data crc32 and meta crc32 match.
+- ``read`` returns only a COMPLETE slot whose data and meta checksums match. Each leaf in
+  the data region has its own crc32 (in its meta record), computed by the rank right after
+  its copy; the agent hands these to the store, so a checkpoint's checksums are the rank's
+  and bytes that changed in RAM before the persist fail the load instead of being stored
+  as good. The header's ``data_crc32`` is the crc32 of those leaf checksums (replicas of
+  one snapshot on two nodes have equal ones).
 - Views handed out by ``begin_write`` and ``read(copy=False)`` point into the mapping and
   are valid only while it is mapped: drop them before ``close``. ``close`` never unmaps
   under live views (they hold a buffer export; the mapping then goes with the last one).
@@ -47,7 +52,7 @@ SLOT_EMPTY, SLOT_WRITING, SLOT_COMPLETE = 0, 1, 2
 _STATE_NAMES = {SLOT_EMPTY: "EMPTY", SLOT_WRITING: "WRITING", SLOT_COMPLETE: "COMPLETE"}
 
 MAGIC = b"RCFSLOT1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a crc32 per data leaf (1: one over the data region)
 HEADER_BYTES = 4096
 NAME_BYTES = 64
 ALIGN = 64
@@ -345,24 +350,32 @@ class MappedSlot:
         header = self.header()
         if header.state != SLOT_WRITING:
             raise SlotError(self.path, f"finish_write on a slot in state {header.state_name} (begin_write first)")
-        meta = self._encode_meta(state, header.data_bytes)
+        meta, leaf_crcs = self._encode_meta(state, header.data_bytes)
         if len(meta) > header.meta_capacity:
             raise SlotError(self.path, f"meta needs {len(meta)} bytes, the slot holds {header.meta_capacity}")
         meta_start = HEADER_BYTES + header.data_capacity
         self._mm[meta_start:meta_start + len(meta)] = meta
-        sealed = _replace(header, meta_bytes=len(meta), data_crc32=self._data_crc(header.data_bytes))
+        sealed = _replace(header, meta_bytes=len(meta), data_crc32=_digest(leaf_crcs))
         self._write_header(sealed)
         self._set_state(SLOT_COMPLETE)
         return _replace(sealed, state=SLOT_COMPLETE)
 
     def read(self, *, copy: bool = False, verify_data: bool = True) -> tuple[SlotHeader, Any]:
         """The header and state of a COMPLETE slot whose checksums match; SlotError otherwise.
+        (``read_with_checksums`` for the arguments.)"""
+        header, state, _ = self.read_with_checksums(copy=copy, verify_data=verify_data)
+        return header, state
+
+    def read_with_checksums(self, *, copy: bool = False,
+                            verify_data: bool = True) -> tuple[SlotHeader, Any, list[int | None]]:
+        """The header, the state and its leaves' crc32 in ``flatten_state`` order (None for a
+        leaf kept in the meta region) of a COMPLETE slot whose checksums match.
 
         ``copy=False``: tensors stored by offset are views of the mapping (drop them before
         ``close``). ``copy=True``: private copies, and the slot must not be rewritten meanwhile.
-        ``verify_data=False`` skips the data CRC (the header and meta are still checked): for
-        a persist right after the seal, whose store checksums what it writes; a restore
-        always verifies.
+        ``verify_data=False`` skips the data leaves' checksums (the header and meta are still
+        checked): for a persist, which stores them with the leaves so that the load checks
+        them; a restore always verifies.
         """
         header = self._readable_header()
         if copy:
@@ -371,14 +384,21 @@ class MappedSlot:
             data_offset = 0
         else:
             data, data_offset = self._mm, HEADER_BYTES
-        if verify_data and crc32(memoryview(data)[data_offset:data_offset + header.data_bytes]) != header.data_crc32:
-            raise SlotError(self.path, "data crc32 mismatch: the slot's data is corrupt")
         meta_start = HEADER_BYTES + header.data_capacity
-        state = self._decode_meta(self._mm[meta_start:meta_start + header.meta_bytes], data, data_offset,
-                                  header.data_bytes)
+        state, leaf_crcs = self._decode_meta(self._mm[meta_start:meta_start + header.meta_bytes], data,
+                                             data_offset, header.data_bytes)
+        if _digest(leaf_crcs) != header.data_crc32:
+            raise SlotError(self.path, "data crc32 mismatch: the header does not match the leaves' checksums")
+        if verify_data:
+            self._verify_leaves(state, leaf_crcs)
         if copy and self.header() != header:
             raise SlotError(self.path, "slot was rewritten while it was being read")
-        return header, state
+        return header, state, leaf_crcs
+
+    def _verify_leaves(self, state: Any, leaf_crcs: list[int | None]) -> None:
+        for index, (leaf, expected) in enumerate(zip(flatten_state(state).leaves, leaf_crcs)):
+            if expected is not None and crc32(leaf_bytes(leaf)) != expected:
+                raise SlotError(self.path, f"data crc32 mismatch in leaf #{index}: the slot's data is corrupt")
 
     def close(self) -> None:
         """Unmap now, or, while views are alive, when the last of them goes."""
@@ -413,10 +433,6 @@ class MappedSlot:
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return _tensor_at(self._mm, offset, _numel(shape) * dtype.itemsize, dtype, shape)
 
-    def _data_crc(self, nbytes: int) -> int:
-        with memoryview(self._mm) as view, view[HEADER_BYTES:HEADER_BYTES + nbytes] as used:
-            return crc32(used)
-
     def _readable_header(self) -> SlotHeader:
         header = self.header()
         if header.state != SLOT_COMPLETE:
@@ -437,9 +453,10 @@ class MappedSlot:
             return None
         return offset
 
-    def _encode_meta(self, state: Mapping[str, Any], used: int) -> bytes:
+    def _encode_meta(self, state: Mapping[str, Any], used: int) -> tuple[bytes, list[int | None]]:
         flat = flatten_state(state)
         records, tail = [], bytearray()
+        leaf_crcs: list[int | None] = []
         for leaf in flat.leaves:
             spec = leaf_spec(leaf)
             record: dict[str, Any] = {"kind": spec.kind, "dtype": spec.dtype, "shape": list(spec.shape)}
@@ -448,15 +465,17 @@ class MappedSlot:
                 tail.extend(bytes(_aligned(len(tail), ALIGN) - len(tail)))
                 record.update(where="meta", offset=len(tail))
                 tail.extend(leaf_bytes(leaf))
+                leaf_crcs.append(None)  # under the meta region's checksum
             else:
-                record.update(where="data", offset=offset)
+                record.update(where="data", offset=offset, crc32=crc32(leaf_bytes(leaf)))
+                leaf_crcs.append(record["crc32"])
             records.append(record)
         text = json.dumps({"format": META_FORMAT, "skeleton": flat.skeleton, "leaves": records},
                           separators=(",", ":")).encode()
         body = text + bytes(_aligned(_META_PREFIX.size + len(text), ALIGN) - _META_PREFIX.size - len(text)) + tail
-        return _META_PREFIX.pack(crc32(body), len(text)) + body
+        return _META_PREFIX.pack(crc32(body), len(text)) + body, leaf_crcs
 
-    def _decode_meta(self, meta: bytes, data: Any, data_offset: int, used: int) -> Any:
+    def _decode_meta(self, meta: bytes, data: Any, data_offset: int, used: int) -> tuple[Any, list[int | None]]:
         try:
             return _parse_meta(meta, data, data_offset, used)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, SkeletonError) as error:
@@ -475,7 +494,13 @@ def _tensor_at(buffer: Any, offset: int, nbytes: int, dtype: torch.dtype, shape:
     return raw.view(dtype).reshape(shape)
 
 
-def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> Any:
+def _digest(leaf_crcs: list[int | None]) -> int:
+    """One checksum of the data region: the crc32 of its leaves' checksums."""
+    known = [crc for crc in leaf_crcs if crc is not None]
+    return crc32(struct.pack(f"<{len(known)}I", *known))
+
+
+def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> tuple[Any, list[int | None]]:
     checksum, text_bytes = _META_PREFIX.unpack_from(meta)
     body = memoryview(meta)[_META_PREFIX.size:]
     if crc32(body) != checksum:
@@ -484,8 +509,10 @@ def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> Any:
     if not isinstance(document, dict) or document.get("format") != META_FORMAT:
         raise ValueError("unknown meta format")
     tail = body[_aligned(_META_PREFIX.size + text_bytes, ALIGN) - _META_PREFIX.size:]
-    leaves = [_decode_leaf(record, data, data_offset, used, tail) for record in document["leaves"]]
-    return unflatten_state(document["skeleton"], leaves)
+    records = document["leaves"]
+    leaves = [_decode_leaf(record, data, data_offset, used, tail) for record in records]
+    leaf_crcs = [int(record["crc32"]) if record["where"] == "data" else None for record in records]
+    return unflatten_state(document["skeleton"], leaves), leaf_crcs
 
 
 def _decode_leaf(record: dict, data: Any, data_offset: int, used: int, tail: memoryview) -> Any:

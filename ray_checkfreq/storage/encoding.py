@@ -38,9 +38,10 @@ class EncodedLeaf:
     delta: bool
 
 
-def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None) -> EncodedLeaf:
+def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None, raw_crc: int | None = None) -> EncodedLeaf:
+    """``raw_crc``: the checksum of the leaf's bytes where it is known already (kept as given)."""
     raw = leaf_bytes(leaf)
-    raw_crc = crc32(raw)
+    raw_crc = crc32(raw) if raw_crc is None else raw_crc
     if options.codec == "raw":
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
     if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:

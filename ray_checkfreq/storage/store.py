@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,11 +236,14 @@ class CheckpointStore:
         meta: dict | None = None,
         codec: str | None = None,
         codec_level: int | None = None,
+        raw_crc32: Sequence[int | None] | None = None,
     ) -> CheckpointRef:
         """Write ``state`` as the checkpoint of ``step``; returns once it is committed.
 
         ``codec`` / ``codec_level`` override the store's defaults for this save only
-        (the engine's policy turns compression off where it does not pay).
+        (the engine's policy turns compression off where it does not pay). ``raw_crc32``:
+        the leaves' checksums in ``flatten_state`` order, computed where their bytes were
+        made (a Ray slot's seal; None: computed here); the store keeps them as they are.
         """
         _check_step(step)
         meta = _checked_meta(meta)
@@ -250,6 +253,9 @@ class CheckpointStore:
             threads=self.config.codec_threads,
         )
         flat = flatten_state(state)  # refuses bad state before any I/O
+        if raw_crc32 is not None and len(raw_crc32) != len(flat.leaves):
+            raise ValueError(f"raw_crc32 has {len(raw_crc32)} checksums for {len(flat.leaves)} leaves")
+        known_crcs = list(raw_crc32) if raw_crc32 is not None else None
         with self._lock:
             entries = self._scan(read_manifests=False)
             generation = self._writer(entries)
@@ -258,13 +264,15 @@ class CheckpointStore:
             name = f"step-{step:012d}-g{generation:06d}-{uuid.uuid4().hex[:8]}"
             base = self._usable_base(options)
             try:
-                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base)
+                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base,
+                                                  known_crcs=known_crcs)
             except BaseException as err:
                 self._discard(name)
                 self._raise_if_fenced(err)
                 raise
             self._remember_base(name, manifest, flat, options)
-            self._verified.add(name)
+            if known_crcs is None:  # checksummed here: known good (given ones are checked at the load)
+                self._verified.add(name)
             self._apply_retention(just_saved=name)
         return self._ref(name, manifest)
 
@@ -339,13 +347,14 @@ class CheckpointStore:
 
     def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict,
                           options: EncodeOptions, base: _DeltaBase | None, *,
-                          history_trim: dict | None = None) -> Manifest:
+                          history_trim: dict | None = None, known_crcs: list[int | None] | None = None) -> Manifest:
         self.backend.make_dir(name)
         plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
         threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
         with ThreadPoolExecutor(threads, thread_name_prefix="rcf-write") as pool:
             results = list(pool.map(
-                lambda item: self._write_shard(name, item[0], item[1], flat, options, base), plan.items()
+                lambda item: self._write_shard(name, item[0], item[1], flat, options, base, known_crcs),
+                plan.items()
             ))
         tensors = sorted((t for entries, _ in results for t in entries), key=lambda t: t[0])
         entries = tuple(entry for _, entry in tensors)
@@ -377,14 +386,15 @@ class CheckpointStore:
                                "(removed by another writer?); the commit was undone")
 
     def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any,
-                     options: EncodeOptions, base: _DeltaBase | None) -> tuple:
+                     options: EncodeOptions, base: _DeltaBase | None, known_crcs: list[int | None] | None) -> tuple:
         chunks: list[Any] = []
         entries = []
         offset = 0
         for index in indices:
             key = flat.key_paths[index]
             leaf = flat.leaves[index]
-            encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None)
+            encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None,
+                                  raw_crc=known_crcs[index] if known_crcs else None)
             length = memoryview(encoded.data).nbytes
             start = _leaf_start(offset, length)
             if start > offset:
