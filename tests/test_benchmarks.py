@@ -21,6 +21,22 @@ def test_bench_store(tmp_path, capsys):
     assert "ours raw" in capsys.readouterr().out
 
 
+def test_bench_persist_measures_the_four_ways_and_leaves_the_given_dir(tmp_path, capsys):
+    out = tmp_path / "persist.json"
+    keep = tmp_path / "mine.txt"
+    keep.write_text("not the bench's")
+    assert main(["bench", "persist", "--size-mb", "8", "--repeats", "2", "--dir", str(tmp_path),
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures["median"]) == {"page_cache", "page_cache_seal_crc", "direct", "direct_seal_crc"}
+    assert all(len(runs) == 2 and all(r["cpu_s"] > 0 and r["wall_s"] > 0 for r in runs)
+               for runs in figures["runs"].values())
+    assert figures["cpu_vs_page_cache"]["page_cache"] == 1.0
+    assert keep.read_text() == "not the bench's" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "mine.txt", "persist.json"]
+    assert "direct_seal_crc" in capsys.readouterr().out
+
+
 def test_bench_stall(tmp_path):
     out = tmp_path / "stall.json"
     assert main(["bench", "stall", "--params-m", "1", "--batch", "8", "--every", "2", "--checkpoints", "2",

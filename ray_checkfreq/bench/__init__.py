@@ -6,6 +6,7 @@ Each module here named in ``BENCHMARKS`` exposes ``add_arguments(parser)`` and
 
 BENCHMARKS = {
     "store": "ray_checkfreq.bench.store",
+    "persist": "ray_checkfreq.bench.persist",
     "codec": "ray_checkfreq.bench.codec",
     "iterator": "ray_checkfreq.bench.iterator",
     "stall": "ray_checkfreq.bench.stall",
