@@ -144,3 +144,19 @@ def test_a_single_process_checkpoint_writes_the_weights_in_place(tmp_path, monke
     cf.step()
     cf.close()
     assert sum(writer.direct_bytes for writer in made) >= 3 * 512 * 512 * 4
+
+
+def test_direct_io_false_writes_buffered_and_survives_pickling_and_a_new_writer(tmp_path, monkeypatch):
+    import pickle
+
+    made = _records_writers(monkeypatch)
+    state = {"w": torch.randn(1 << 19)}  # 2 MiB: a shard that would go direct
+    store = CheckpointStore(str(tmp_path), direct_io=False)
+    for copy in (store, pickle.loads(pickle.dumps(store)), store.with_writer(7)):
+        assert copy.config.direct_io is False and copy.backend.direct_io is False
+    store.save(1, state, codec="raw")
+    assert made == [] and torch.equal(store.load()["w"], state["w"])
+    CheckpointStore(str(tmp_path / "on")).save(1, state, codec="raw")
+    assert len(made) == 1
+    with pytest.raises(ValueError, match="direct_io='yes'"):
+        CheckpointStore(str(tmp_path), direct_io="yes")

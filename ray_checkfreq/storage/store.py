@@ -96,6 +96,7 @@ class StoreConfig:
     codec_threads: int | None = None
     full_every: int = 8
     history_trim: HistoryTrim | None = None  # keep history checkpoints near-lossless (history.py)
+    direct_io: bool = True  # local stores: large shards around the page cache (backends/direct.py)
 
     def __post_init__(self) -> None:
         if self.history_trim is not None and not isinstance(self.history_trim, HistoryTrim):
@@ -109,6 +110,8 @@ class StoreConfig:
             raise ValueError(f"keep_last={self.keep_last!r}: must be an int >= 1")
         if not isinstance(self.shard_size_bytes, int) or self.shard_size_bytes < 1:
             raise ValueError(f"shard_size_bytes={self.shard_size_bytes!r}: must be an int >= 1")
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io={self.direct_io!r}: must be True or False")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads!r}: must be an int >= 1")
 
@@ -184,6 +187,7 @@ class CheckpointStore:
         codec_threads: int | None = None,
         full_every: int = 8,
         history_trim: HistoryTrim | None = None,
+        direct_io: bool = True,
         filesystem: Any = None,
         s3: S3Options | None = None,
         writer_generation: int | None = None,
@@ -202,9 +206,10 @@ class CheckpointStore:
             codec_threads=codec_threads,
             full_every=full_every,
             history_trim=history_trim,
+            direct_io=direct_io,
         )
         self._init_args = (uri, filesystem, s3)
-        self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3)
+        self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3, direct_io=direct_io)
         self.uri = self.backend.root_uri
         self._lock = threading.Lock()
         self._base: _DeltaBase | None = None
