@@ -44,7 +44,7 @@ import torch
 
 from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.storage.arrays import LeafSpec, leaf_bytes, leaf_from_buffer, leaf_spec, torch_dtype
-from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES
+from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.tree import KeyPath, SkeletonError, flatten_state, unflatten_state
 
@@ -116,7 +116,7 @@ def slot_layout(tensors: Sequence[tuple[KeyPath, Sequence[int], torch.dtype]]) -
         if path in entries:
             raise ValueError(f"key path {path!r} appears twice in the slot layout")
         nbytes = _numel(dims) * dtype.itemsize
-        offset = _aligned(end, BLOCK if nbytes >= LARGE_LEAF_BYTES else ALIGN)
+        offset = leaf_start(end, nbytes, ALIGN)
         entries[path] = (offset, dims, dtype)
         end = offset + nbytes
         digest.update(repr((tuple(path), dims, str(dtype))).encode() + b"\0")
@@ -385,18 +385,18 @@ class MappedSlot:
         else:
             data, data_offset = self._mm, HEADER_BYTES
         meta_start = HEADER_BYTES + header.data_capacity
-        state, leaf_crcs = self._decode_meta(self._mm[meta_start:meta_start + header.meta_bytes], data,
-                                             data_offset, header.data_bytes)
+        state, leaves, leaf_crcs = self._decode_meta(self._mm[meta_start:meta_start + header.meta_bytes], data,
+                                                     data_offset, header.data_bytes)
         if _digest(leaf_crcs) != header.data_crc32:
             raise SlotError(self.path, "data crc32 mismatch: the header does not match the leaves' checksums")
         if verify_data:
-            self._verify_leaves(state, leaf_crcs)
+            self._verify_leaves(leaves, leaf_crcs)
         if copy and self.header() != header:
             raise SlotError(self.path, "slot was rewritten while it was being read")
         return header, state, leaf_crcs
 
-    def _verify_leaves(self, state: Any, leaf_crcs: list[int | None]) -> None:
-        for index, (leaf, expected) in enumerate(zip(flatten_state(state).leaves, leaf_crcs)):
+    def _verify_leaves(self, leaves: list[Any], leaf_crcs: list[int | None]) -> None:
+        for index, (leaf, expected) in enumerate(zip(leaves, leaf_crcs)):
             if expected is not None and crc32(leaf_bytes(leaf)) != expected:
                 raise SlotError(self.path, f"data crc32 mismatch in leaf #{index}: the slot's data is corrupt")
 
@@ -475,7 +475,8 @@ class MappedSlot:
         body = text + bytes(_aligned(_META_PREFIX.size + len(text), ALIGN) - _META_PREFIX.size - len(text)) + tail
         return _META_PREFIX.pack(crc32(body), len(text)) + body, leaf_crcs
 
-    def _decode_meta(self, meta: bytes, data: Any, data_offset: int, used: int) -> tuple[Any, list[int | None]]:
+    def _decode_meta(self, meta: bytes, data: Any, data_offset: int,
+                     used: int) -> tuple[Any, list[Any], list[int | None]]:
         try:
             return _parse_meta(meta, data, data_offset, used)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, SkeletonError) as error:
@@ -500,7 +501,8 @@ def _digest(leaf_crcs: list[int | None]) -> int:
     return crc32(struct.pack(f"<{len(known)}I", *known))
 
 
-def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> tuple[Any, list[int | None]]:
+def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> tuple[Any, list[Any], list[int | None]]:
+    """The state, its leaves in ``flatten_state`` order and their checksums."""
     checksum, text_bytes = _META_PREFIX.unpack_from(meta)
     body = memoryview(meta)[_META_PREFIX.size:]
     if crc32(body) != checksum:
@@ -512,7 +514,7 @@ def _parse_meta(meta: bytes, data: Any, data_offset: int, used: int) -> tuple[An
     records = document["leaves"]
     leaves = [_decode_leaf(record, data, data_offset, used, tail) for record in records]
     leaf_crcs = [int(record["crc32"]) if record["where"] == "data" else None for record in records]
-    return unflatten_state(document["skeleton"], leaves), leaf_crcs
+    return unflatten_state(document["skeleton"], leaves), leaves, leaf_crcs
 
 
 def _decode_leaf(record: dict, data: Any, data_offset: int, used: int, tail: memoryview) -> Any:

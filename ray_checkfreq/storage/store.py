@@ -60,7 +60,7 @@ from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
-from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES
+from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.history import HistoryTrim, is_trimmed, trim_history
@@ -401,7 +401,7 @@ class CheckpointStore:
             encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None,
                                   raw_crc=known_crcs[index] if known_crcs else None)
             length = memoryview(encoded.data).nbytes
-            start = _leaf_start(offset, length)
+            start = leaf_start(offset, length, ALIGN_BYTES)
             if start > offset:
                 chunks.append(_ZEROS[:start - offset])
             entries.append((index, TensorEntry(
@@ -795,13 +795,6 @@ def _checked_meta(meta: dict | None) -> dict:
         raise UnsupportedStateError("meta", f"not JSON-serialisable: {err}") from None
 
 
-def _leaf_start(offset: int, length: int) -> int:
-    """Where a leaf of ``length`` bytes goes in a shard filled up to ``offset``: a large one on
-    a block boundary, so a local store writes it from the caller's memory (backends/direct.py)."""
-    align = BLOCK if length >= LARGE_LEAF_BYTES else ALIGN_BYTES
-    return offset + -offset % align
-
-
 def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
     """Greedy packing of leaves, in order, into shards of about ``shard_size_bytes``."""
     plan: dict[str, list[int]] = {}
@@ -813,7 +806,7 @@ def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
             plan[f"shard-{len(plan):05d}.bin"] = current
             current, size = [], 0
         current.append(index)
-        size = _leaf_start(size, nbytes) + nbytes
+        size = leaf_start(size, nbytes, ALIGN_BYTES) + nbytes
     if current or not plan:
         plan[f"shard-{len(plan):05d}.bin"] = current
     return plan

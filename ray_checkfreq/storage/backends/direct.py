@@ -33,6 +33,13 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0: the platform has none (macOS)
 STAGING_BYTES = 4 << 20
 
 
+def leaf_start(offset: int, nbytes: int, align: int) -> int:
+    """Where a leaf of ``nbytes`` goes after ``offset`` in a layout aligned to ``align``: a
+    large leaf on a BLOCK boundary, so it can be written in place."""
+    unit = BLOCK if nbytes >= LARGE_LEAF_BYTES else align
+    return offset + -offset % unit
+
+
 def address_of(view: memoryview) -> int:
     """Where the bytes of ``view`` start in memory (read-only buffers too)."""
     if not view.nbytes:
