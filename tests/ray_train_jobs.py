@@ -138,10 +138,13 @@ def _epoch_of(data: Any, iteration: int, epoch_len: int) -> int:
 def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     import ray
 
-    hold = config.get("hold_persist")  # {"rank": r, "iteration": i, "seconds": s}
+    # {"iteration": i, "step": s, "seconds": t}: after iteration i, rank 0's agent holds the
+    # persist of step s (the first >= s). Named, not "the next persist": a persist of an
+    # earlier step may reach the agent after the hold, and would take it in that step's place.
+    hold = config.get("hold_persist")
     if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
             and once(work_dir, "hold"):
-        ray.get(cf.agent.hold_persist.remote(hold["seconds"]))
+        ray.get(cf.agent.hold_persist.remote(hold["seconds"], hold["step"]))
     hold_stop = config.get("hold_stop_persist")  # {"seconds": s}: the notice's stop persist, on other nodes
     if hold_stop and rank == 0 and cf.engine.stop_at is not None and once(work_dir, "hold-stop"):
         _hold_stop_persist(work_dir, cf, hold_stop["seconds"])

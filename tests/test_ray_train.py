@@ -127,9 +127,11 @@ def reference(train_nodes, tmp_path_factory):
 def test_worker_killed_while_its_agent_persists_resumes_from_the_slot(reference, train_nodes, tmp_path):
     require_train_nodes(train_nodes, 2)
     # Rank 0's agent holds the persist of step 20; rank 1 dies at 22: the newest commit is 16,
-    # the newest complete snapshot (20) lives only in the agent's slot.
-    result, work_dir = fit(tmp_path, "kill-mid-persist", hold_persist={"iteration": 19, "seconds": 240},
-                           kill={"rank": 1, "iteration": 22})
+    # the newest complete snapshot (20) lives only in the agent's slot. Step 16's slot is
+    # sealed late, so its persist reaches the agent after the hold was set (as on a slow
+    # machine): the hold must still fall on step 20.
+    result, work_dir = fit(tmp_path, "kill-mid-persist", hold_persist={"iteration": 19, "step": 20, "seconds": 240},
+                           kill={"rank": 1, "iteration": 22}, slow_seal={"step": 16, "seconds": 1.0})
     assert not isinstance(result, Exception), result
     starts = events(work_dir, 0, "start")
     assert [s["iteration"] for s in starts] == [0, 20]
@@ -295,7 +297,8 @@ def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_n
     remove = remover(train_nodes, removed)
     require_train_nodes(train_nodes, 3)  # a spare for the restart
     killer = when_rank_reaches(str(work), 0, 22, remove)
-    result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "seconds": 240}, sleep_s=0.3)
+    result, work_dir = fit(tmp_path, "node-loss", hold_persist={"iteration": 19, "step": 20, "seconds": 240},
+                           sleep_s=0.3)
     killer.join(timeout=5)
     assert not isinstance(result, Exception), result
     assert removed, "the node was never removed"
