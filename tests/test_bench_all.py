@@ -11,7 +11,7 @@ import pytest
 
 from ray_checkfreq.bench import all as bench_all
 
-CHEAP = ("codec", "stall", "overhead")
+CHEAP = ("codec", "stall", "overhead", "persist")
 
 
 def test_quick_run_reports_every_requested_section_with_its_plot(tmp_path):
@@ -32,6 +32,7 @@ def test_quick_run_reports_every_requested_section_with_its_plot(tmp_path):
         assert section["plot"] == f"{name}.png" and (out / section["plot"]).stat().st_size > 1000
     assert report["sections"]["codec"]["figures"]["rows"][0]["bit_identical"]
     assert set(report["sections"]["overhead"]["figures"]) >= {"first", "every", "adaptive"}
+    assert report["sections"]["persist"]["figures"]["cpu_vs_page_cache"]["page_cache"] == 1.0
     md = (out / "report.md").read_text()
     assert re.findall(r"!\[(\w+)\]\((\w+)\.png\)", md) == [(name, name) for name in CHEAP]
     assert report["command"] in md and "| CPU |" in md

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("codec", "stall", "overhead", "iterator", "restore", "ray")
+SECTIONS = ("codec", "stall", "overhead", "iterator", "restore", "persist", "ray")
 DEFAULT_TIMEOUT_S = 3600.0
 
 # Small defaults: minutes each on 2 cores. The README's figures come from longer runs.
@@ -36,6 +36,7 @@ DEFAULT_ARGS: dict[str, list[str]] = {
                  "--every-iters", "200", "--phase-iters", "100", "--slow-s", "1"],
     "iterator": ["--rows", "50000", "--blocks", "20", "--repeats", "2"],
     "restore": ["--state-mb", "50", "--repeats", "3"],
+    "persist": ["--size-mb", "96", "--repeats", "4"],
     "ray": ["--state-mb", "50", "--iterations", "30", "--repeats", "2"],
 }
 # The smallest settings that still exercise every part (a smoke test, not figures to quote).
@@ -46,6 +47,7 @@ QUICK_ARGS: dict[str, list[str]] = {
                  "--phase-iters", "12", "--width", "64", "--block", "10", "--slow-s", "0.02"],
     "iterator": ["--rows", "4000", "--blocks", "4", "--repeats", "1", "--positions", "0.5", "--shuffle-buffer", "500"],
     "restore": ["--state-mb", "3", "--repeats", "1", "--no-s3"],
+    "persist": ["--size-mb", "8", "--repeats", "2"],
     "ray": ["--state-mb", "2", "--iterations", "8", "--warmup", "4", "--repeats", "1", "--every", "4"],
 }
 

@@ -21,6 +21,7 @@ TITLES = {
     "overhead": "Overhead and adaptive rate (interleaved with a run without checkpoints)",
     "iterator": "Data iterator: throughput, shuffle, resume",
     "restore": "Restore time by source",
+    "persist": "One agent persist: CPU and wall time by write path",
     "ray": "Ray Train overhead by checkpointing method",
 }
 
@@ -89,6 +90,13 @@ def summary_restore(f: dict) -> list[str]:
             f"Own-node slot against the fastest storage ({target['fastest_storage']}): "
             f"{target['own_slot_speedup_vs_fastest_storage']:.1f}x (target {target['required']}x: "
             f"{'met' if target['met'] else 'not met'})."]
+
+
+def summary_persist(f: dict) -> list[str]:
+    rows = [[name, f"{1e3 * m['cpu_s']:.1f}", f"{1e3 * m['wall_s']:.1f}", f"{f['cpu_vs_page_cache'][name]:.2f}x"]
+            for name, m in f["median"].items()]
+    return [f"A {f['size_mb']} MiB slot stored raw; medians of the rounds after the first.", "",
+            *_table(["variant", "CPU ms", "wall ms", "CPU x page_cache"], rows)]
 
 
 def summary_ray(f: dict) -> list[str]:
@@ -179,6 +187,14 @@ def plot_restore(f: dict, ax: Any) -> None:
     ax[1].set_xlabel("MiB/s of state restored (median)")
 
 
+def plot_persist(f: dict, ax: Any) -> None:
+    names = list(f["median"])
+    for axis, key, label in ((ax[0], "cpu_s", "CPU"), (ax[1], "wall_s", "wall")):
+        axis.bar(range(len(names)), [1e3 * f["median"][n][key] for n in names], color="tab:olive")
+        axis.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
+        axis.set_ylabel(f"{label} ms per persist of {f['size_mb']} MiB (median)")
+
+
 def plot_ray(f: dict, ax: Any) -> None:
     names = list(f["variants"])
     medians = [100 * f["variants"][n]["overhead"]["median"] for n in names]
@@ -196,11 +212,11 @@ def plot_ray(f: dict, ax: Any) -> None:
 
 SUMMARIES: dict[str, Callable[[dict], list[str]]] = {
     "codec": summary_codec, "stall": summary_stall, "overhead": summary_overhead,
-    "iterator": summary_iterator, "restore": summary_restore, "ray": summary_ray,
+    "iterator": summary_iterator, "restore": summary_restore, "persist": summary_persist, "ray": summary_ray,
 }
 PLOTS: dict[str, Callable[[dict, Any], None]] = {
     "codec": plot_codec, "stall": plot_stall, "overhead": plot_overhead,
-    "iterator": plot_iterator, "restore": plot_restore, "ray": plot_ray,
+    "iterator": plot_iterator, "restore": plot_restore, "persist": plot_persist, "ray": plot_ray,
 }
 
 
