@@ -143,8 +143,10 @@ def test_worker_killed_while_its_agent_persists_resumes_from_the_slot(reference,
 def test_kill_during_the_copy_into_a_slot_never_restores_that_slot(reference, train_nodes, tmp_path):
     require_train_nodes(train_nodes, 2)
     # Rank 0's agent is killed at 6: rank 0 replaces it without a restart. The slot of step
-    # 24 is still WRITING when rank 0 dies at 25: the restart takes step 20.
-    result, work_dir = fit(tmp_path, "kill-mid-copy", slow_seal={"step": 24, "seconds": 5},
+    # 24 is still WRITING when rank 0 dies at 25: the restart takes step 20. Rank 1's replica
+    # of 24 is sealed late too, later than Ray Train's teardown kills rank 1 even on a slow
+    # machine (the sleeping thread dies with its process: the test does not wait for it).
+    result, work_dir = fit(tmp_path, "kill-mid-copy", slow_seal={"step": 24, "seconds": 60},
                            kill={"rank": 0, "iteration": 25}, kill_agent={"iteration": 6})
     assert not isinstance(result, Exception), result
     starts = events(work_dir, 0, "start")
