@@ -138,10 +138,7 @@ def _epoch_of(data: Any, iteration: int, epoch_len: int) -> int:
 def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     import ray
 
-    # {"iteration": i, "step": s, "seconds": t}: after iteration i, rank 0's agent holds the
-    # persist of step s (the first >= s). Named, not "the next persist": a persist of an
-    # earlier step may reach the agent after the hold, and would take it in that step's place.
-    hold = config.get("hold_persist")
+    hold = config.get("hold_persist")  # {"iteration": i, "step": s, "seconds": t}: rank 0's agent holds step s
     if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
             and once(work_dir, "hold"):
         ray.get(cf.agent.hold_persist.remote(hold["seconds"], hold["step"]))

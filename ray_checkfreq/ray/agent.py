@@ -210,9 +210,10 @@ class NodeAgent:
             self._persist_lock.release()
         return acquired
 
-    def hold_persist(self, seconds: float, from_step: int = 0) -> None:
-        """Tests: make the next persist of a step >= ``from_step`` wait ``seconds`` (or until
-        ``release_hold``) after reading its slot."""
+    def hold_persist(self, seconds: float, from_step: int) -> None:
+        """Tests: make the first persist of a step >= ``from_step`` wait ``seconds`` (or until
+        ``release_hold``) after reading its slot. A step, not "the next persist": an earlier
+        step's persist may still be on its way to this agent."""
         self._released.clear()
         self._hold_from_step = int(from_step)
         self._hold_s = float(seconds)
