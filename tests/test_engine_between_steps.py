@@ -4,7 +4,8 @@ The job is Ray Train's FashionMNIST example in small: dropout, a per-epoch evalu
 an ordinary shuffling DataLoader (it draws the global torch RNG right after the epoch-end
 checkpoint), an LR scheduler stepped before or after ``cf.step()``, a "logging sampler"
 drawing the RNG after every step, and a draw at the top of the epoch loop (which a
-mid-epoch resume runs again). It is SIGKILLed mid-epoch and must end bit-identical to the
+mid-epoch resume runs again), and the dataset's augmentation draws the global RNG as
+it reads. It is SIGKILLed mid-epoch and must end bit-identical to the
 uninterrupted run, having begun at the newest committed checkpoint.
 """
 
@@ -33,7 +34,8 @@ class Points(torch.utils.data.Dataset):
     def __getitem__(self, index):
         generator = torch.Generator().manual_seed(index)
         x = torch.randn(4, generator=generator)
-        return {"index": torch.tensor(index), "x": x, "y": x.sum(dim=0, keepdim=True)}
+        noisy = x + 0.01 * torch.rand(4)  # an augmentation drawing the global RNG (read in this process)
+        return {"index": torch.tensor(index), "x": noisy, "y": x.sum(dim=0, keepdim=True)}
 
 
 @dataclass
@@ -145,3 +147,24 @@ def test_set_epoch_is_a_check_of_the_callers_epoch():
     with pytest.raises(ValueError, match=r"set_epoch\(0\): .* at epoch 2 .*range\(loader.epoch, epochs\)"):
         data.set_epoch(0)
     data.set_epoch(2)
+
+
+def test_a_fetch_hook_runs_before_the_batch_is_read_and_before_the_cursor_moves():
+    """A dataset may draw the global RNG as it reads: the hook (where a checkpoint is
+    completed) must run before, or a resumed run would draw it twice."""
+    events: list = []
+
+    class Logged(Points):
+        def __getitem__(self, index):
+            events.append("read")
+            return super().__getitem__(index)
+
+    data = resumable(Logged(), batch_size=BATCH, seed=3, options=TorchLoaderOptions(num_workers=0))
+    handle = data.add_fetch_hook(lambda: events.append(("hook", data.consumed)))
+    batches = iter(data)
+    next(batches)
+    next(batches)
+    assert events == [("hook", 0), *["read"] * BATCH, ("hook", BATCH), *["read"] * BATCH]
+    handle.remove()
+    next(batches)
+    assert ("hook", 2 * BATCH) not in events
