@@ -168,3 +168,26 @@ def test_a_fetch_hook_runs_before_the_batch_is_read_and_before_the_cursor_moves(
     handle.remove()
     next(batches)
     assert ("hook", 2 * BATCH) not in events
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_without_fetch_hooks_a_scheduler_stepped_after_cf_step_is_named_in_a_warning(tmp_path, caplog, order):
+    """``data=`` that is not a resumable() iterator: the order matters, and the wrong one is named."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 0.9 ** it)
+    cf = CheckFreq(model=model, optimizer=opt, storage=str(tmp_path / "s"), extra_state={"sched": sched}, every=2)
+    cf.restore()
+    with caplog.at_level(logging.WARNING, logger="ray_checkfreq.engine"):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            if order == "before":
+                sched.step()
+            cf.step()
+            if order == "after":
+                sched.step()
+    cf.close()
+    named = "a scheduler stepped after cf.step()?" in caplog.text
+    assert named == (order == "after"), caplog.text

@@ -179,6 +179,8 @@ class CheckFreq:
         self._open: _OpenCheckpoint | None = None  # taken at step(), completed as the next iteration starts
         self._reapply: _Restored | None = None  # set again at the first fetch after a restore
         self._warned_unseen = False
+        self._warned_lr = False
+        self._lrs_at_step: list[float | None] | None = None  # without fetch hooks: to notice a later scheduler step
         self._closed = False
 
     def _new_persister(self) -> Persister:
@@ -293,6 +295,8 @@ class CheckFreq:
         self._plan_and_apply()
         self._busy_after_step = self._persist.busy
         self._measured_before = self._measured_result is not None  # done before the next iteration began
+        if not self._sees_next_iteration and not self._warned_lr:
+            self._lrs_at_step = _learning_rates(self.optimizer)
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
@@ -494,9 +498,23 @@ class CheckFreq:
                            "in them (fetch each batch from data= after cf.step())", self.iteration + 1)
         self._complete_open(refresh=False)
 
+    def _check_lr_unchanged(self) -> None:
+        """Without fetch hooks the checkpoint holds the optimizer and scheduler of ``step()``
+        time: a learning rate changed between ``step()`` and the next update means a
+        scheduler stepped after ``cf.step()``, which a resumed run would miss."""
+        before, self._lrs_at_step = self._lrs_at_step, None
+        if before is None or before == _learning_rates(self.optimizer) or self._warned_lr:
+            return
+        self._warned_lr = True
+        logger.warning("the learning rate changed between cf.step() and the next optimizer.step() (iteration %d): "
+                       "a scheduler stepped after cf.step()? Checkpoints then hold it one step behind. Step it "
+                       "before cf.step(), or pass a resumable() iterator as data= (then the order does not matter)",
+                       self.iteration + 1)
+
     # ------------------------------------------------------------------ fence
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._complete_unseen()
+        self._check_lr_unchanged()
         handle = self._fence_handle
         if handle is not None:
             start = time.perf_counter()
@@ -794,6 +812,11 @@ def _merge_model(state: dict, live: Mapping[str, Any]) -> dict:
         model._metadata = {k: dict(v) for k, v in metadata.items()}  # type: ignore[attr-defined]
     state["model"] = model
     return state
+
+
+def _learning_rates(optimizer: torch.optim.Optimizer) -> list[float | None]:
+    """Each group's lr when it is a number (a tensor lr is not read: that could sync a device)."""
+    return [lr if isinstance(lr := group.get("lr"), (int, float)) else None for group in optimizer.param_groups]
 
 
 def _check_stateful(name: str, obj: Any) -> None:
