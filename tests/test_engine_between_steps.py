@@ -191,3 +191,20 @@ def test_without_fetch_hooks_a_scheduler_stepped_after_cf_step_is_named_in_a_war
     cf.close()
     named = "a scheduler stepped after cf.step()?" in caplog.text
     assert named == (order == "after"), caplog.text
+
+
+def test_refresh_copies_into_the_snapshots_buffers_and_refuses_a_changed_shape():
+    from ray_checkfreq.engine.snapshot import Snapshotter
+
+    snapshotter = Snapshotter("cpu")
+    live = {"rng": {"torch": torch.zeros(3, dtype=torch.uint8), "python": (3, [1, 2])}, "extra": {"n": 1}}
+    snapshot = snapshotter.take(5, live, set())
+    buffer = snapshot.state["rng"]["torch"]
+    snapshotter.refresh(snapshot, {("rng",): {"torch": torch.full((3,), 7, dtype=torch.uint8), "python": (4, [5])},
+                                   ("extra",): {"n": 2}})
+    assert snapshot.state["rng"]["torch"] is buffer and buffer.tolist() == [7, 7, 7]
+    assert snapshot.state["rng"]["python"] == (4, [5]) and snapshot.state["extra"] == {"n": 2}
+    with pytest.raises(ValueError, match=r"\('rng', 'torch'\) changed from \(3,\) torch.uint8 to \(4,\)"):
+        snapshotter.refresh(snapshot, {("rng",): {"torch": torch.ones(4, dtype=torch.uint8), "python": (5, [])}})
+    assert buffer.tolist() == [7, 7, 7] and snapshot.state["rng"]["python"] == (4, [5])
+    snapshotter.close()
