@@ -72,7 +72,7 @@ def train_func(config: dict) -> None:
     start = cf.restore()  # ray_checkfreq: +
     record_attempt(config, start, cf)  # demo:
     # ray_checkfreq: - for epoch in range(config["epochs"]):
-    while cf.iteration < config["epochs"] * len(loader):  # ray_checkfreq: ~
+    for epoch in range(loader.epoch, config["epochs"]):  # noqa: B007  # ray_checkfreq: ~
         for images, labels in loader:
             loss = torch.nn.functional.cross_entropy(model(images), labels)
             optimizer.zero_grad()

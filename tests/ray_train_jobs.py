@@ -221,3 +221,64 @@ def _install_slow_seal(config: dict, work_dir: str) -> None:
 
 def _plain(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
+
+
+# ------------------------------------------------ Ray's FashionMNIST example, in small
+EVAL_GLOBAL_BATCH = 128  # 14 iterations per epoch of the 1792 digits
+
+
+def mlp_with_dropout() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                               torch.nn.Linear(32, 10)).double()
+
+
+def train_with_evaluation(config: dict) -> None:
+    """Dropout, an LR scheduler stepped ``before`` or ``after`` ``cf.step()``, and after each
+    epoch an evaluation through an ordinary shuffling DataLoader (it draws the global torch
+    RNG right after the epoch-end checkpoint) whose loss goes to ``cf.report``. Rank 0 logs
+    each epoch's evaluation loss; the kill is ``_faults``'."""
+    import ray.train
+    import ray.train.torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ray_checkfreq.data import TorchLoaderOptions, resumable
+    from ray_checkfreq.ray import CheckFreq, RayConfig
+
+    work_dir = config["work_dir"]
+    rank = ray.train.get_context().get_world_rank()
+    images, labels = digits()
+    model = ray.train.torch.prepare_model(mlp_with_dropout())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: 0.97 ** it)
+    loader = resumable(TensorDataset(images, labels), global_batch_size=EVAL_GLOBAL_BATCH, seed=1,
+                       options=TorchLoaderOptions(num_workers=0))
+    evaluation = DataLoader(TensorDataset(images[:256], labels[:256]), batch_size=64, shuffle=True)
+    cf = CheckFreq(model=model, optimizer=optimizer, data=loader, extra_state={"sched": scheduler},
+                   ray_config=RayConfig(restart_wait_s=3.0), every=4, epoch_len=len(loader), compress=False)
+    start = cf.restore()
+    log(work_dir, rank, event="start", iteration=start, restore=cf.restore_info, node=cf.node_id)
+    for epoch in range(loader.epoch, config["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        model.train()
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if config["scheduler"] == "before":
+                scheduler.step()
+            cf.step()
+            if config["scheduler"] == "after":
+                scheduler.step()
+            log(work_dir, rank, event="batch", iteration=cf.iteration)
+            _faults(config, work_dir, rank, cf)
+        model.eval()
+        with torch.no_grad():
+            eval_loss = sum(torch.nn.functional.cross_entropy(model(x), y).item() for x, y in evaluation)
+        log(work_dir, rank, event="eval", epoch=epoch, loss=eval_loss)
+        cf.report({"eval_loss": eval_loss, "epoch": epoch})
+    cf.close()
+    if rank == 0:
+        torch.save({"iteration": cf.iteration, "model": cf.engine.model.state_dict()},
+                   os.path.join(work_dir, "final.pt"))

@@ -4,16 +4,23 @@ A front end supplies the epoch order and turns this rank's position slices into
 batches (``_produce``); the base class owns the cursor. The cursor moves when a batch
 is handed to the caller, not when a loader prefetches it, so ``state_dict()`` taken
 after receiving batch i always resumes at batch i + 1.
+
+Fetch hooks (``add_fetch_hook``) run each time the caller asks for the next batch,
+before it is produced and before the cursor moves: the point where a training iteration
+begins, which ``CheckFreq`` uses to complete a checkpoint of the previous iteration.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ray_checkfreq.data.core import DataState, RankSlice, Sharding, rank_slices
 from ray_checkfreq.data.order import Order
+
+logger = logging.getLogger("ray_checkfreq.data")
 
 
 class ResumableIterator:
@@ -31,6 +38,8 @@ class ResumableIterator:
         self._epoch = 0
         self._consumed = 0
         self._generation = 0
+        self._fetch_hooks: dict[int, Callable[[], None]] = {}
+        self._set_epoch_logged = False
 
     # -- what a front end provides ------------------------------------------------
     def _order(self, epoch: int) -> Order:
@@ -49,6 +58,34 @@ class ResumableIterator:
     def consumed(self) -> int:
         """Global samples (all ranks) consumed in the current epoch."""
         return self._consumed
+
+    def add_fetch_hook(self, hook: Callable[[], None]) -> FetchHookHandle:
+        """Call ``hook()`` whenever the caller asks for a batch, before it is produced (and
+        so before anything producing it draws from an RNG) and before the cursor moves."""
+        key = max(self._fetch_hooks, default=0) + 1
+        self._fetch_hooks[key] = hook
+        return FetchHookHandle(self._fetch_hooks, key)
+
+    def set_epoch(self, epoch: int) -> None:
+        """What loops written for a ``DistributedSampler`` call at each epoch's start.
+
+        The iterator counts epochs itself (``epoch``, restored from a checkpoint), so this
+        only checks that the caller's loop agrees: a no-op (logged once) when ``epoch``
+        is the iterator's epoch, a ``ValueError`` saying what to do otherwise.
+        """
+        if epoch != self._epoch:
+            raise ValueError(
+                f"set_epoch({epoch}): this resumable iterator is at epoch {self._epoch} (it counts epochs "
+                "itself and resumes them from a checkpoint); loop `for epoch in range(loader.epoch, epochs)` "
+                "so your epoch numbers follow it, or drop the set_epoch call")
+        if not self._set_epoch_logged:
+            self._set_epoch_logged = True
+            logger.info("set_epoch(%d) is a no-op: resumable iterators keep their own epoch (loader.epoch)", epoch)
+
+    @property
+    def sampler(self) -> ResumableIterator:
+        """This iterator, for code written for a DataLoader: ``loader.sampler.set_epoch(e)``."""
+        return self
 
     def __iter__(self) -> Iterator[Any]:
         self._generation += 1
@@ -93,7 +130,12 @@ class ResumableIterator:
         if slices:
             batches = self._produce(self._order(epoch), epoch, slices)
             try:
-                for piece, batch in zip(slices, batches):
+                for piece in slices:
+                    for hook in list(self._fetch_hooks.values()):
+                        hook()
+                    batch = next(batches, _NO_BATCH)
+                    if batch is _NO_BATCH:
+                        break
                     if generation != self._generation:
                         return
                     self._consumed = piece.consumed_after
@@ -106,6 +148,19 @@ class ResumableIterator:
         if generation == self._generation and self._epoch == epoch:
             # this rank had no piece of the last partial global batch
             self._epoch, self._consumed = epoch + 1, 0
+
+
+_NO_BATCH = object()
+
+
+class FetchHookHandle:
+    """Removes the fetch hook it was returned for."""
+
+    def __init__(self, hooks: dict[int, Callable[[], None]], key: int) -> None:
+        self._hooks, self._key = hooks, key
+
+    def remove(self) -> None:
+        self._hooks.pop(self._key, None)
 
 
 def wants_keys(transform: Callable[..., Any]) -> bool:

