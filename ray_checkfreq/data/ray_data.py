@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ray_checkfreq.data.context import train_context
-from ray_checkfreq.data.core import RankSlice, Sharding
+from ray_checkfreq.data.core import RankSlice, RankSlices, Sharding
 from ray_checkfreq.data.iterator import ResumableIterator, wants_keys
 from ray_checkfreq.data.order import Order, WindowedOrder
 from ray_checkfreq.data.seeds import SampleKeys
@@ -188,41 +188,59 @@ class RayDataIterator(ResumableIterator):
             chunk_rows=self.options.chunk_rows,
             window_chunks=self.options.window_chunks,
             shuffle=self.shuffle,
+            version=self.order_version,
         )
 
     def _load(self, order: WindowedOrder, window: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         self.windows_read += 1
         return self._reader.read(order.window_ranges(window), rows)
 
-    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[dict[str, Any]]:
-        assert isinstance(order, WindowedOrder)
-        plan = [order.locate(piece.lo, piece.hi) for piece in slices]
-        # per window, the sorted layout offsets this rank reads (1/W of the window)
-        needed: dict[int, np.ndarray] = {}
-        for parts in plan:
-            for w, offs in parts:
-                needed[w] = offs if w not in needed else np.concatenate([needed[w], offs])
-        needed = {w: np.unique(offs) for w, offs in needed.items()}
-        following = dict(zip(sorted(needed), sorted(needed)[1:]))
+    def _needed(self, order: WindowedOrder, slices: RankSlices, window: int) -> np.ndarray:
+        """The sorted layout offsets this rank reads from ``window`` (about 1/W of it)."""
+        lo, hi = order.window_bounds(window)
+        perm = order.window_perm(window)
+        mine = [slices[i] for i in slices.overlapping(lo, hi)]
+        parts = [perm[max(s.lo, lo) - lo : min(s.hi, hi) - lo] for s in mine]
+        return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+
+    def _produce(self, order: Order, epoch: int, slices: Sequence[RankSlice]) -> Iterator[dict[str, Any]]:
+        assert isinstance(order, WindowedOrder) and isinstance(slices, RankSlices)
+        if not slices:
+            return
+        last_window = order.window_of(slices[-1].hi - 1)
         pool = cf.ThreadPoolExecutor(1) if self.options.prefetch else None
+        needed: dict[int, np.ndarray] = {}  # computed per window as the reader gets there
         cache: dict[int, Any] = {}
 
+        def rows_of(w: int) -> np.ndarray:
+            if w not in needed:
+                needed[w] = self._needed(order, slices, w)
+            return needed[w]
+
+        def following(w: int) -> int | None:
+            for nxt in range(w + 1, last_window + 1):
+                if len(rows_of(nxt)):
+                    return nxt
+            return None
+
         def load(w: int) -> Any:
-            return pool.submit(self._load, order, w, needed[w]) if pool else self._load(order, w, needed[w])
+            return pool.submit(self._load, order, w, rows_of(w)) if pool else self._load(order, w, rows_of(w))
 
         def window(w: int) -> dict[str, np.ndarray]:
             for old in [k for k in cache if k < w]:
                 del cache[old]  # memory bound: the current window and the next
+                needed.pop(old, None)
             if w not in cache:
                 cache[w] = load(w)
-            nxt = following.get(w)
-            if pool and nxt is not None and nxt not in cache:
+            nxt = following(w) if pool else None
+            if nxt is not None and nxt not in cache:
                 cache[nxt] = load(nxt)
             return cache[w].result() if pool else cache[w]
 
         try:
-            for piece, parts in zip(slices, plan):
-                cols = [(window(w), np.searchsorted(needed[w], offs)) for w, offs in parts]
+            for piece in slices:
+                parts = order.locate(piece.lo, piece.hi)
+                cols = [(window(w), np.searchsorted(rows_of(w), offs)) for w, offs in parts]
                 batch = {k: _gather([c[k] for c, _ in cols], [i for _, i in cols]) for k in cols[0][0]}
                 yield self._finish(batch, order, epoch, piece)
         finally:
