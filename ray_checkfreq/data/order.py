@@ -290,6 +290,8 @@ class WindowedOrder:
         while pos < hi:
             w = self.window_of(pos)
             w_lo, w_hi = self.window_bounds(w)
+            if not w_lo <= pos < w_hi:  # window_of and window_bounds must agree, or this never ends
+                raise AssertionError(f"position {pos} is not in window {w} = [{w_lo}, {w_hi})")
             end = min(hi, w_hi)
             out.append((w, self.window_perm(w)[pos - w_lo : end - w_lo]))
             pos = end
