@@ -38,7 +38,7 @@ def test_the_bijection_is_a_permutation_for_any_size_and_key(n, key):
 
 @FAST
 @given(
-    n=st.sampled_from([2**40, 2**40 - 87, 10**12 + 39, 2**41 + 1]),
+    n=st.sampled_from([2**40, 2**40 - 87, 10**12 + 39, 2**41 + 1, 2**32 - 1, 2**32, 2**31 + 11]),
     key=KEYS,
     picks=st.lists(st.integers(0, 2**42), min_size=1, max_size=300, unique=True),
 )
