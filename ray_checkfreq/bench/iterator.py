@@ -247,6 +247,10 @@ def format_report(result: dict[str, Any]) -> str:
         from ray_checkfreq.bench.iterator_order import format_order
 
         lines += [*format_order(result["order"]), ""]
+    if "nodes" in result:
+        from ray_checkfreq.bench.iterator_nodes import format_nodes
+
+        lines += [*format_nodes(result["nodes"]), ""]
     if "throughput_samples_per_s" in result:
         tp = result["throughput_samples_per_s"]
         lines += ["throughput (one epoch, best of repeats)", f"  {'iterator':<28}{'samples/s':>12}"]
@@ -287,6 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples read after each restore (at most)")
     parser.add_argument("--world-size", type=int, default=1, help="ranks the order is sharded over (rank 0 runs)")
     parser.add_argument("--order-repeats", type=int, default=3)
+    parser.add_argument("--nodes", help="also per-node reads on local clusters of these node counts, e.g. 2,4")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
 
 
@@ -315,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
             num_samples=args.num_samples, compare_samples=args.compare_samples,
             measure_samples=args.measure_samples, batch_size=args.batch_size, world_size=args.world_size,
             repeats=args.order_repeats))
+    if args.nodes:  # clusters of their own, before the single-node one
+        from ray_checkfreq.bench.iterator_nodes import measure_nodes
+
+        result["nodes"] = measure_nodes(tuple(int(n) for n in args.nodes.split(",")), cfg)
     if not args.demo_only:
         import ray
 
