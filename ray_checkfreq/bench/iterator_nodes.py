@@ -22,11 +22,11 @@ def _rank_epoch(ds: Any, rank: int, world: int, read: str, batch_size: int, chun
                 window_chunks: int) -> dict[str, Any]:
     import time
 
-    from ray_checkfreq.data import resumable
-    from ray_checkfreq.data.ray_data import RayDataOptions
+    from ray_checkfreq.data.core import Sharding
+    from ray_checkfreq.data.ray_data import RayDataIterator, RayDataOptions
 
     options = RayDataOptions(chunk_rows=chunk_rows, window_chunks=window_chunks, read=read)
-    it = resumable(ds, batch_size=batch_size, seed=0, rank=rank, world_size=world, options=options)
+    it = RayDataIterator(ds, sharding=Sharding(batch_size=batch_size, world_size=world, rank=rank), options=options)
     start = time.perf_counter()
     rows = sum(len(b["id"]) for b in it)
     return {"rows": rows, "bytes_fetched": it.bytes_fetched, "seconds": time.perf_counter() - start}
