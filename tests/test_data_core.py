@@ -33,9 +33,12 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
     seed=st.integers(0, 2**40),
     epoch=st.integers(0, 50),
     cuts=st.lists(st.integers(0, 400), max_size=6),
+    version=st.sampled_from([1, 2]),
+    shuffle=st.booleans(),
 )
-def test_windowed_order_is_a_permutation_read_in_any_pieces(n, chunk, window, seed, epoch, cuts):
-    order = WindowedOrder(num_samples=n, seed=seed, epoch=epoch, chunk_rows=chunk, window_chunks=window)
+def test_windowed_order_is_a_permutation_read_in_any_pieces(n, chunk, window, seed, epoch, cuts, version, shuffle):
+    order = WindowedOrder(num_samples=n, seed=seed, epoch=epoch, chunk_rows=chunk, window_chunks=window,
+                          version=version, shuffle=shuffle)
     whole = order.take(0, n)
     assert sorted(whole.tolist()) == list(range(n))
     bounds = sorted({0, n, *(c for c in cuts if c <= n)})
@@ -46,32 +49,64 @@ def test_windowed_order_is_a_permutation_read_in_any_pieces(n, chunk, window, se
         rows = sorted(i for a, b in order.window_ranges(w) for i in range(a, b))
         assert rows == sorted(whole[lo:hi].tolist())
         assert hi - lo <= chunk * window
+        assert all(order.window_of(p) == w for p in range(lo, hi))
+    if not shuffle:
+        assert whole.tolist() == list(range(n))
 
 
-def test_orders_are_pure_functions_of_seed_and_epoch():
-    a = FullOrder(num_samples=1000, seed=5, epoch=3).take(0, 1000)
-    assert np.array_equal(a, FullOrder(num_samples=1000, seed=5, epoch=3).take(0, 1000))
-    assert not np.array_equal(a, FullOrder(num_samples=1000, seed=5, epoch=4).take(0, 1000))
-    assert not np.array_equal(a, FullOrder(num_samples=1000, seed=6, epoch=3).take(0, 1000))
-    assert FullOrder(num_samples=5, seed=0, epoch=0, shuffle=False).take(0, 5).tolist() == [0, 1, 2, 3, 4]
+def test_windowed_window_bounds_are_the_same_whether_computed_or_stored():
+    # version 2 computes window starts arithmetically; they must match summing chunk lengths
+    for n, chunk, window in [(1000, 7, 3), (999, 10, 4), (64, 8, 8), (5, 8, 2), (1001, 1, 1)]:
+        for seed in range(20):
+            order = WindowedOrder(num_samples=n, seed=seed, epoch=1, chunk_rows=chunk, window_chunks=window)
+            lens = [sum(min(c * chunk + chunk, n) - c * chunk for c in order.window_chunks_of(w))
+                    for w in range(order.num_windows)]
+            starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+            assert [order.window_bounds(w) for w in range(order.num_windows)] == list(zip(starts, starts[1:]))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_orders_are_pure_functions_of_seed_and_epoch(version):
+    def take(**kw):
+        return FullOrder(num_samples=1000, version=version, **kw).take(0, 1000)
+
+    a = take(seed=5, epoch=3)
+    assert np.array_equal(a, take(seed=5, epoch=3))
+    assert not np.array_equal(a, take(seed=5, epoch=4))
+    assert not np.array_equal(a, take(seed=6, epoch=3))
+    assert take(seed=0, epoch=0, shuffle=False).tolist() == list(range(1000))
 
 
 def test_order_golden_values_pin_numpy_streams():
-    # a numpy change to PCG64/SeedSequence/permutation would change every resumed order
-    assert FullOrder(num_samples=10, seed=0, epoch=0).take(0, 10).tolist() == [7, 3, 0, 5, 1, 6, 9, 2, 8, 4]
+    # a numpy change to PCG64/SeedSequence/permutation would change every resumed version 1 order
+    assert FullOrder(num_samples=10, seed=0, epoch=0, version=1).take(0, 10).tolist() == [7, 3, 0, 5, 1, 6, 9, 2, 8, 4]
     assert int(sample_seeds(1, 2, [3])[0]) == GOLDEN_SAMPLE_SEED
+
+
+def test_order_golden_values_pin_the_keyed_bijection():
+    # a change to the Feistel rounds, the key hash or cycle walking would change every resumed version 2 order
+    assert FullOrder(num_samples=10, seed=0, epoch=0).take(0, 10).tolist() == [8, 4, 3, 6, 0, 7, 9, 5, 1, 2]
+    assert FullOrder(num_samples=10**12, seed=3, epoch=1).take(10**12 - 4, 10**12).tolist() == [
+        471446895257, 71746209107, 366058656471, 401823110958]
+    assert FullOrder(num_samples=2**32, seed=3, epoch=1).take(2**32 - 4, 2**32).tolist() == [  # 64-bit words
+        695086816, 2103910401, 1351885019, 4190242768]
+    windowed = WindowedOrder(num_samples=20, seed=0, epoch=0, chunk_rows=3, window_chunks=2)
+    assert windowed.take(0, 20).tolist() == [14, 9, 8, 10, 15, 13, 2, 4, 12, 3, 11, 16, 18, 1, 0, 17, 19, 6, 5, 7]
 
 
 GOLDEN_SAMPLE_SEED = 8977515779221018042
 
 
-def test_windowed_order_mixes_the_whole_dataset():
+@pytest.mark.parametrize("version", [1, 2])
+def test_windowed_order_mixes_the_whole_dataset(version):
     n = 100_000
-    order = WindowedOrder(num_samples=n, seed=0, epoch=0, chunk_rows=256, window_chunks=64)
-    first = order.take(0, 1024)
-    # the first batches already draw from all over the dataset, not from its start
-    assert np.histogram(first, bins=10, range=(0, n))[0].min() > 40
-    spearman = np.corrcoef(np.argsort(np.argsort(order.take(0, n))), np.arange(n))[0, 1]
+    orders = [WindowedOrder(num_samples=n, seed=seed, epoch=0, chunk_rows=256, window_chunks=64, version=version)
+              for seed in range(10)]
+    # the first batches already draw from all over the dataset, not from its start: 1024 rows
+    # (64 chunks) over 10 bins, the emptiest bin averages ~45 rows over seeds (sequential: 0)
+    emptiest = [np.histogram(o.take(0, 1024), bins=10, range=(0, n))[0].min() for o in orders]
+    assert np.mean(emptiest) > 30
+    spearman = np.corrcoef(np.argsort(np.argsort(orders[0].take(0, n))), np.arange(n))[0, 1]
     assert abs(spearman) < 0.05
 
 
@@ -194,6 +229,15 @@ def test_mismatched_state_is_a_clear_error(field, value):
     with pytest.raises(DataStateError) as info:
         it.load_state_dict(state)
     assert info.value.field == field and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("version", [0, 3, "2", True, None, [2]])
+def test_an_unknown_state_version_is_refused_naming_the_known_ones(version):
+    it = resumable(12, batch_size=3, seed=2)
+    with pytest.raises(DataStateError, match="'version'") as info:
+        it.load_state_dict({**it.state_dict(), "version": version})
+    assert "1 (PCG64 permutation" in str(info.value) and "2 (keyed Feistel" in str(info.value)
+    assert (it.epoch, it.consumed, it.order_version) == (0, 0, 2)  # nothing was taken from the bad state
 
 
 def test_state_is_a_few_integers():

@@ -84,3 +84,25 @@ def test_sequential_order_reads_the_dataset_in_row_order(small_ray_dataset):
     it = resumable(small_ray_dataset, batch_size=9, shuffle=False, options=options)
     ids = np.concatenate([b["id"].numpy() for b in it])
     assert np.array_equal(ids, row_ids(small_ray_dataset))
+
+
+def _epoch(ds, rank, world, read):
+    from data_fixtures import fingerprint
+
+    options = RayDataOptions(chunk_rows=8, window_chunks=3, read=read, prefetch=False)
+    it = resumable(ds, batch_size=4, seed=5, rank=rank, world_size=world, options=options)
+    batches = list(it)
+    return [fingerprint(b) for b in batches], sum(len(b["id"]) for b in batches), it.bytes_fetched
+
+
+def test_remote_reads_fetch_only_the_ranks_rows_and_give_the_same_batches(small_ray_dataset):
+    import ray
+
+    row_bytes = sum(ray.get(ref).nbytes for ref in block_layout(small_ray_dataset).refs) / 103
+    for world in (2, 4):
+        for rank in range(world):
+            local, rows, local_bytes = _epoch(small_ray_dataset, rank, world, "local")
+            remote, rows_again, remote_bytes = _epoch(small_ray_dataset, rank, world, "remote")
+            assert remote == local and rows == rows_again
+            assert remote_bytes <= 1.5 * rows * row_bytes, (world, rank, remote_bytes, rows * row_bytes)
+            assert local_bytes >= 0.9 * 103 * row_bytes  # local reads pull every block of every window

@@ -6,7 +6,10 @@ Measures, on one materialized dataset in one run:
 - how random each order is (see ``shuffle_quality``);
 - time to the first batch after a restore at several positions of the epoch, ours
   (load_state_dict) against re-iterating and skipping the consumed batches;
-- the before/after demo: samples repeated / missed across an interruption.
+- the before/after demo: samples repeated / missed across an interruption;
+- with ``--num-samples N``: the order alone at N (indices only; ``iterator_order``): peak
+  RSS per rank, time to the first batch after a restore at 0 and 0.999 N, samples/s of
+  the version 2 order against version 1 (today's permutation) at ``--compare-samples``.
 """
 
 from __future__ import annotations
@@ -182,8 +185,14 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
         return source.iter_torch_batches(
             batch_size=cfg.batch_size, local_shuffle_buffer_size=cfg.shuffle_buffer or None)
 
+    def ours_v1(seed: int) -> Any:
+        it = ours(seed=seed)
+        it.order_version = 1  # the permutation order a version 1 state would bring
+        return it
+
     variants: dict[str, Callable[[int], Iterable[Any]]] = {
         "ours": lambda rep: ours(seed=rep),
+        "  ours, version 1 order": lambda rep: ours_v1(rep),
         STOCK: lambda rep: stock(),
         "  + randomize_block_order": lambda rep: stock(ds.randomize_block_order(seed=rep)),
         "  no shuffle buffer": lambda rep: ds.iter_torch_batches(batch_size=cfg.batch_size),
@@ -234,6 +243,14 @@ def _ids_of(ref: Any) -> np.ndarray:
 # -- printing ---------------------------------------------------------------------------------------------
 def format_report(result: dict[str, Any]) -> str:
     lines = []
+    if "order" in result:
+        from ray_checkfreq.bench.iterator_order import format_order
+
+        lines += [*format_order(result["order"]), ""]
+    if "nodes" in result:
+        from ray_checkfreq.bench.iterator_nodes import format_nodes
+
+        lines += [*format_nodes(result["nodes"]), ""]
     if "throughput_samples_per_s" in result:
         tp = result["throughput_samples_per_s"]
         lines += ["throughput (one epoch, best of repeats)", f"  {'iterator':<28}{'samples/s':>12}"]
@@ -267,6 +284,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=d.repeats)
     parser.add_argument("--num-cpus", type=int, default=d.num_cpus, help="local Ray cluster size")
     parser.add_argument("--demo-only", action="store_true", help="only the before/after demo (no Ray)")
+    parser.add_argument("--num-samples", type=int, help="also measure the order alone at N samples (indices only)")
+    parser.add_argument("--compare-samples", type=int, default=10_000_000,
+                        help="N for version 2 against version 1 over one epoch")
+    parser.add_argument("--measure-samples", type=int, default=10_000_000,
+                        help="samples read after each restore (at most)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks the order is sharded over (rank 0 runs)")
+    parser.add_argument("--order-repeats", type=int, default=3)
+    parser.add_argument("--nodes", help="also per-node reads on local clusters of these node counts, e.g. 2,4")
     parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
 
 
@@ -288,17 +313,30 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     result: dict[str, Any] = {}
+    if args.num_samples is not None:  # before Ray starts: the children have the machine
+        from ray_checkfreq.bench.iterator_order import OrderBenchConfig, measure_order
+
+        result["order"] = measure_order(OrderBenchConfig(
+            num_samples=args.num_samples, compare_samples=args.compare_samples,
+            measure_samples=args.measure_samples, batch_size=args.batch_size, world_size=args.world_size,
+            repeats=args.order_repeats))
+    if args.nodes:  # clusters of their own, before the single-node one
+        from ray_checkfreq.bench.iterator_nodes import measure_nodes
+
+        result["nodes"] = measure_nodes(tuple(int(n) for n in args.nodes.split(",")), cfg)
     if not args.demo_only:
         import ray
 
         started = not ray.is_initialized()
         if started:
-            ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # address="local": a cluster of its own, even where another one was started on this machine
+            ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
         try:
             import ray.data
 
             ray.data.DataContext.get_current().enable_progress_bars = False
-            result = measure(cfg)
+            result.update(measure(cfg))
         finally:
             if started:
                 ray.shutdown()

@@ -73,6 +73,13 @@ def summary_overhead(f: dict) -> list[str]:
 def summary_iterator(f: dict) -> list[str]:
     throughput = f.get("throughput_samples_per_s", {})
     lines = [f"- {name.strip()}: {value:,.0f} samples/s" for name, value in throughput.items()]
+    if "order" in f:
+        n, s = f["order"]["config"]["num_samples"], f["order"]["summary"]
+        lines.append(f"- order alone at N = {n:,}: <= {s['order_rss_mib_at_n']:.1f} MiB per rank; first batch after "
+                     f"a restore at 99.9 % / at 0: {s['first_batch_ratio_end_to_start']:.2f}x")
+        if "epoch_samples_per_s_ratio_v2_to_v1" in s:
+            lines.append(f"- one epoch, version 2 order / version 1: {s['epoch_samples_per_s_ratio_v2_to_v1']:.2f}x "
+                         "samples/s")
     if "ratio_ours_to_stock" in f:
         lines.append(f"- ours / iter_torch_batches with a local shuffle buffer: {f['ratio_ours_to_stock']:.2f}x")
     lines += [f"- restore at {100 * r['position']:.0f} % of an epoch: first batch after {r['ours_s']:.3f} s "

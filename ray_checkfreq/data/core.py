@@ -30,13 +30,21 @@ Two batch modes, recorded in the state as ``global_batch_size`` (None in per-ran
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from ray_checkfreq.errors import CheckFreqError
 
-STATE_VERSION = 1
+PERMUTATION_ORDER = 1
+BIJECTION_ORDER = 2
+# The state's version names the family of epoch orders the run draws from; a state keeps
+# its version, so a run started under version 1 resumes (and continues) with version 1.
+STATE_VERSIONS = {
+    PERMUTATION_ORDER: "PCG64 permutation orders (rng.permutation, 8 bytes a sample)",
+    BIJECTION_ORDER: "keyed Feistel bijection orders (constant memory)",
+}
+STATE_VERSION = BIJECTION_ORDER  # what new runs write
 
 
 class DataStateError(CheckFreqError, ValueError):
@@ -114,21 +122,66 @@ class RankSlice:
     consumed_after: int
 
 
+class RankSlices(Sequence[RankSlice]):
+    """This rank's batches from epoch position ``start`` to the end of the epoch.
+
+    Computed per index, never stored: a billion-sample epoch costs no memory here.
+    """
+
+    def __init__(self, sharding: Sharding, num_samples: int, start: int) -> None:
+        self.sharding, self.num_samples, self.start = sharding, num_samples, start
+        self.full = max(0, (num_samples - start) // sharding.global_batch)
+        self._last = self._partial()
+
+    def _partial(self) -> RankSlice | None:
+        sh = self.sharding
+        pos = self.start + self.full * sh.global_batch
+        left = self.num_samples - pos
+        if left <= 0 or sh.drop_last:
+            return None
+        q, extra = divmod(left, sh.world_size)
+        lo = pos + sh.rank * q + min(sh.rank, extra)
+        hi = lo + q + (1 if sh.rank < extra else 0)
+        return RankSlice(lo, hi, self.num_samples) if hi > lo else None
+
+    def __len__(self) -> int:
+        return self.full + (self._last is not None)
+
+    @overload
+    def __getitem__(self, i: int) -> RankSlice: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RankSlice]: ...
+
+    def __getitem__(self, i: int | slice) -> RankSlice | Sequence[RankSlice]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"slice {i} of {len(self)}")
+        if i == self.full:
+            assert self._last is not None
+            return self._last
+        b, g = self.sharding.batch_size, self.sharding.global_batch
+        pos = self.start + i * g
+        return RankSlice(pos + self.sharding.rank * b, pos + (self.sharding.rank + 1) * b, pos + g)
+
+    def __iter__(self) -> Iterator[RankSlice]:
+        return (self[i] for i in range(len(self)))
+
+    def overlapping(self, lo: int, hi: int) -> range:
+        """Indices of the slices that hold a position in [lo, hi)."""
+        g = self.sharding.global_batch
+        first = max(0, (lo - self.start) // g - 1)
+        last = min(len(self), max(0, (hi - self.start) // g + 1))
+        keep = [i for i in range(first, last) if self[i].lo < hi and self[i].hi > lo]
+        return range(keep[0], keep[-1] + 1) if keep else range(0)
+
+
 def rank_slices(sharding: Sharding, num_samples: int, start: int) -> Iterator[RankSlice]:
     """This rank's batches from epoch position ``start`` to the end of the epoch."""
-    b, g, r = sharding.batch_size, sharding.global_batch, sharding.rank
-    pos = start
-    while num_samples - pos >= g:
-        yield RankSlice(pos + r * b, pos + (r + 1) * b, pos + g)
-        pos += g
-    left = num_samples - pos
-    if left <= 0 or sharding.drop_last:
-        return
-    q, extra = divmod(left, sharding.world_size)
-    lo = pos + r * q + min(r, extra)
-    hi = lo + q + (1 if r < extra else 0)
-    if hi > lo:
-        yield RankSlice(lo, hi, num_samples)
+    return iter(RankSlices(sharding, num_samples, start))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,10 +196,11 @@ class DataState:
     world_size: int
     batch_size: int
     global_batch_size: int | None = None
+    version: int = STATE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION,
+            "version": self.version,
             "epoch": self.epoch,
             "consumed": self.consumed,
             "num_samples": self.num_samples,
@@ -163,8 +217,9 @@ class DataState:
         if not isinstance(state, Mapping):
             raise DataStateError("<state>", type(state).__name__, "a mapping")
         version = state.get("version")
-        if version != STATE_VERSION:
-            raise DataStateError("version", version, STATE_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool) or version not in STATE_VERSIONS:
+            known = " or ".join(f"{v} ({name})" for v, name in STATE_VERSIONS.items())
+            raise DataStateError("version", version, known)
         for key in ("num_samples", "seed", "order"):
             if state.get(key) != getattr(expect, key):
                 raise DataStateError(key, state.get(key), getattr(expect, key))
@@ -183,6 +238,7 @@ class DataState:
             world_size=int(state.get("world_size", expect.world_size)),
             batch_size=int(state.get("batch_size", expect.batch_size)),
             global_batch_size=expect.global_batch_size,
+            version=int(version),
         )
 
 

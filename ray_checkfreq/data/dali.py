@@ -14,7 +14,7 @@ for the torch conversion (``as_cpu``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 
 from ray_checkfreq.data.core import RankSlice, Sharding
 from ray_checkfreq.data.iterator import ResumableIterator, wants_keys
-from ray_checkfreq.data.order import FullOrder, Order
+from ray_checkfreq.data.order import FullOrder, Order, take_slices
 from ray_checkfreq.data.seeds import SampleKeys, sample_rng
 
 
@@ -101,17 +101,19 @@ class DaliIterator(ResumableIterator):
         self._pipe: Any = None
 
     def _order(self, epoch: int) -> Order:
-        return FullOrder(num_samples=self.num_samples, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        return FullOrder(
+            num_samples=self.num_samples, seed=self.seed, epoch=epoch, shuffle=self.shuffle, version=self.order_version
+        )
 
     def _pipeline(self) -> Any:
         if self._pipe is None:
             self._pipe = build_pipeline(self.source, self.sharding.batch_size)
         return self._pipe
 
-    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[dict[str, Any]]:
+    def _produce(self, order: Order, epoch: int, slices: Sequence[RankSlice]) -> Iterator[dict[str, Any]]:
+        assert isinstance(order, FullOrder)
         pipe = self._pipeline()
-        for piece in slices:
-            indices = order.take(piece.lo, piece.hi)
+        for indices in take_slices(order, slices):
             samples = [self._read(int(i), epoch) for i in indices]
             for k in range(self.source.num_inputs):
                 pipe.feed_input(_input_name(k), [np.asarray(s[k]) for s in samples])

@@ -1,8 +1,9 @@
 """The resumable iterator protocol shared by every front end.
 
 A front end supplies the epoch order and turns this rank's position slices into
-batches (``_produce``); the base class owns the cursor. The cursor moves when a batch
-is handed to the caller, not when a loader prefetches it, so ``state_dict()`` taken
+batches (``_produce``); the base class owns the cursor and the order version (new runs
+use ``STATE_VERSION``; a restored state brings its own, kept for the rest of the run). The
+cursor moves when a batch is handed to the caller, not when a loader prefetches it, so ``state_dict()`` taken
 after receiving batch i always resumes at batch i + 1.
 
 Fetch hooks (``add_fetch_hook``) run each time the caller asks for the next batch,
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ray_checkfreq.data.core import DataState, RankSlice, Sharding, rank_slices
-from ray_checkfreq.data.order import Order
+from ray_checkfreq.data.core import STATE_VERSION, DataState, RankSlice, RankSlices, Sharding
+from ray_checkfreq.data.order import Order, check_order_version
 
 logger = logging.getLogger("ray_checkfreq.data")
 
@@ -26,7 +27,10 @@ logger = logging.getLogger("ray_checkfreq.data")
 class ResumableIterator:
     """Iterates one epoch per ``iter()``; ``state_dict`` / ``load_state_dict`` resume it."""
 
-    def __init__(self, *, num_samples: int, sharding: Sharding, seed: int, shuffle: bool) -> None:
+    def __init__(
+        self, *, num_samples: int, sharding: Sharding, seed: int, shuffle: bool, order_version: int = STATE_VERSION
+    ) -> None:
+        check_order_version(order_version)
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         if seed < 0:
@@ -35,6 +39,7 @@ class ResumableIterator:
         self.sharding = sharding
         self.seed = seed
         self.shuffle = shuffle
+        self.order_version = order_version
         self._epoch = 0
         self._consumed = 0
         self._generation = 0
@@ -45,7 +50,7 @@ class ResumableIterator:
     def _order(self, epoch: int) -> Order:
         raise NotImplementedError
 
-    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[Any]:
+    def _produce(self, order: Order, epoch: int, slices: Sequence[RankSlice]) -> Iterator[Any]:
         """Yield one batch per slice, in order."""
         raise NotImplementedError
 
@@ -104,6 +109,7 @@ class ResumableIterator:
         parsed = DataState.from_dict(state, expect=self._state(0, 0))
         self._generation += 1  # a generator started before the restore stops
         self._epoch, self._consumed = parsed.epoch, parsed.consumed
+        self.order_version = parsed.version
         self._roll_if_done()
 
     # -- internals ------------------------------------------------------------------
@@ -117,6 +123,7 @@ class ResumableIterator:
             world_size=self.sharding.world_size,
             batch_size=self.sharding.batch_size,
             global_batch_size=self.sharding.fixed_global_batch,
+            version=self.order_version,
         )
 
     def _roll_if_done(self) -> None:
@@ -126,7 +133,7 @@ class ResumableIterator:
 
     def _run(self, generation: int) -> Iterator[Any]:
         epoch = self._epoch
-        slices = list(rank_slices(self.sharding, self.num_samples, self._consumed))
+        slices = RankSlices(self.sharding, self.num_samples, self._consumed)
         if slices:
             batches = self._produce(self._order(epoch), epoch, slices)
             try:

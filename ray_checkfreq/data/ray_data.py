@@ -9,9 +9,11 @@ own rows of one window as numpy columns (plus the next window's, prefetched on a
 never the whole dataset: per rank about 2 * chunk_rows * window_chunks / world_size rows.
 Resuming at position c fetches the window of c and nothing before it.
 
-Every rank fetches every block of a window (zero-copy from the local object store) and
-copies out only its own rows; on several nodes each node therefore pulls the whole
-dataset over the network once per epoch.
+With ``read="local"`` (the default) every rank fetches every block of a window
+(zero-copy from the local object store) and copies out only its own rows; on several
+nodes each node therefore pulls the whole dataset over the network once per epoch. With
+``read="remote"`` a small task on each block's node takes the rank's rows out of it, so a
+node receives only the bytes of its own samples (one task per chunk piece and window).
 
 Block layout: ``Dataset.iter_internal_ref_bundles()`` (internal API) gives the block refs
 in their fixed order with row counts in the metadata, without touching the data. If that
@@ -22,8 +24,9 @@ task per block for its row count; a test pins that both agree.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +34,12 @@ import numpy as np
 import torch
 
 from ray_checkfreq.data.context import train_context
-from ray_checkfreq.data.core import RankSlice, Sharding
+from ray_checkfreq.data.core import RankSlice, RankSlices, Sharding
 from ray_checkfreq.data.iterator import ResumableIterator, wants_keys
 from ray_checkfreq.data.order import Order, WindowedOrder
 from ray_checkfreq.data.seeds import SampleKeys
+
+READS = ("local", "remote")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +51,15 @@ class RayDataOptions:
     prefetch: bool = True
     dtypes: torch.dtype | dict[str, torch.dtype] | None = None
     device: str = "cpu"
+    read: str = "local"
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {self.window_chunks}")
+        if self.read not in READS:
+            raise ValueError(f"read must be one of {', '.join(map(repr, READS))}, got {self.read!r}")
 
     @property
     def window_rows(self) -> int:
@@ -129,18 +137,21 @@ def materialized(ds: Any) -> Any:
 
 
 class _Reader:
-    """Turns row ranges into numpy columns, block by block."""
+    """Turns row ranges into numpy columns, block by block.
 
-    def __init__(self, layout: BlockLayout) -> None:
+    ``local``: this process gets every block the window touches (zero-copy where the block
+    is on this node) and copies out its rows. ``remote``: a task pinned to each block's node
+    takes this rank's rows out of it, and only those rows travel. ``bytes_fetched`` counts
+    the bytes of the objects this reader got (whole blocks, or row slices).
+    """
+
+    def __init__(self, layout: BlockLayout, mode: str = "local") -> None:
         self.layout = layout
         self.starts = layout.starts
+        self.mode = mode
+        self.bytes_fetched = 0
 
-    def read(self, ranges: list[tuple[int, int]], rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """Columns of the concatenated ranges, or of only their ``rows`` (sorted offsets)."""
-        import pyarrow as pa
-        import ray
-        from ray.data.block import BlockAccessor
-
+    def _pieces(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         wanted: list[tuple[int, int, int]] = []  # (block, start in block, length)
         for a, b in ranges:
             while a < b:
@@ -148,14 +159,85 @@ class _Reader:
                 end = min(b, int(self.starts[blk + 1]))
                 wanted.append((blk, a - int(self.starts[blk]), end - a))
                 a = end
-        uniq = sorted({w[0] for w in wanted})
-        tables = dict(zip(uniq, ray.get([self.layout.refs[i] for i in uniq])))
-        table = pa.concat_tables([tables[blk].slice(off, length) for blk, off, length in wanted])
-        if rows is not None and len(rows) < table.num_rows:
-            table = table.take(pa.array(rows))  # copy only this rank's rows
+        return wanted
+
+    def read(self, ranges: list[tuple[int, int]], rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Columns of the concatenated ranges, or of only their ``rows`` (sorted offsets)."""
+        from ray.data.block import BlockAccessor
+
+        wanted = self._pieces(ranges)
+        if self.mode == "remote" and rows is not None:
+            table = self._remote(wanted, rows)
+        else:
+            table = self._local(wanted, rows)
         columns = BlockAccessor.for_block(table).to_numpy()
         assert isinstance(columns, dict)  # columns=None: one array per column
         return columns
+
+    def _local(self, wanted: list[tuple[int, int, int]], rows: np.ndarray | None) -> Any:
+        import pyarrow as pa
+        import ray
+
+        uniq = sorted({w[0] for w in wanted})
+        tables = dict(zip(uniq, ray.get([self.layout.refs[i] for i in uniq])))
+        self.bytes_fetched += sum(t.nbytes for t in tables.values())
+        table = pa.concat_tables([tables[blk].slice(off, length) for blk, off, length in wanted])
+        if rows is not None and len(rows) < table.num_rows:
+            table = table.take(pa.array(rows))  # copy only this rank's rows
+        return table
+
+    def _remote(self, wanted: list[tuple[int, int, int]], rows: np.ndarray) -> Any:
+        import pyarrow as pa
+        import ray
+
+        lengths = np.array([length for _, _, length in wanted], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        cuts = np.searchsorted(rows, ends)  # rows is sorted: piece i holds rows[cuts[i-1]:cuts[i]]
+        jobs, first = [], 0
+        for (blk, off, _), end, cut in zip(wanted, ends - lengths, cuts):
+            mine, first = rows[first:cut] - end + off, int(cut)
+            if len(mine):
+                jobs.append((self.layout.refs[blk], mine))
+        # one task per node holding blocks (not one per piece: each task may start a worker)
+        groups: dict[str | None, list[int]] = {}
+        homes = _home_nodes([ref for ref, _ in jobs])
+        for i, (ref, _) in enumerate(jobs):
+            groups.setdefault(homes.get(ref.hex()), []).append(i)
+        futures = [_take_rows_task().options(scheduling_strategy=_on(node)).remote(
+            [jobs[i][1] for i in members], *[jobs[i][0] for i in members]) for node, members in groups.items()]
+        pieces: list[Any] = [None] * len(jobs)
+        for members, tables in zip(groups.values(), ray.get(futures)):
+            for i, table in zip(members, tables):
+                pieces[i] = table
+        self.bytes_fetched += sum(t.nbytes for t in pieces)
+        return pa.concat_tables(pieces)
+
+
+def _home_nodes(refs: list[Any]) -> dict[str, str]:
+    """Per block ref (hex): a node that holds it."""
+    from ray.experimental import get_object_locations
+
+    return {ref.hex(): where["node_ids"][0] for ref, where in get_object_locations(refs).items()
+            if where.get("node_ids")}
+
+
+def _on(node: str | None) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return "DEFAULT" if node is None else NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+
+
+@functools.cache
+def _take_rows_task() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0)(_take_rows)
+
+
+def _take_rows(indices: list[np.ndarray], *blocks: Any) -> list[Any]:
+    import pyarrow as pa
+
+    return [block.take(pa.array(rows)) for rows, block in zip(indices, blocks)]
 
 
 class RayDataIterator(ResumableIterator):
@@ -177,7 +259,7 @@ class RayDataIterator(ResumableIterator):
         super().__init__(num_samples=self.layout.num_rows, sharding=sharding, seed=seed, shuffle=shuffle)
         self.transform = transform
         self._with_keys = transform is not None and wants_keys(transform)
-        self._reader = _Reader(self.layout)
+        self._reader = _Reader(self.layout, self.options.read)
         self.windows_read = 0  # for tests and benchmarks: resume reads no earlier window
 
     def _order(self, epoch: int) -> WindowedOrder:
@@ -188,41 +270,64 @@ class RayDataIterator(ResumableIterator):
             chunk_rows=self.options.chunk_rows,
             window_chunks=self.options.window_chunks,
             shuffle=self.shuffle,
+            version=self.order_version,
         )
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes of the objects this iterator's reader got so far (blocks or row slices)."""
+        return self._reader.bytes_fetched
 
     def _load(self, order: WindowedOrder, window: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         self.windows_read += 1
         return self._reader.read(order.window_ranges(window), rows)
 
-    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[dict[str, Any]]:
-        assert isinstance(order, WindowedOrder)
-        plan = [order.locate(piece.lo, piece.hi) for piece in slices]
-        # per window, the sorted layout offsets this rank reads (1/W of the window)
-        needed: dict[int, np.ndarray] = {}
-        for parts in plan:
-            for w, offs in parts:
-                needed[w] = offs if w not in needed else np.concatenate([needed[w], offs])
-        needed = {w: np.unique(offs) for w, offs in needed.items()}
-        following = dict(zip(sorted(needed), sorted(needed)[1:]))
+    def _needed(self, order: WindowedOrder, slices: RankSlices, window: int) -> np.ndarray:
+        """The sorted layout offsets this rank reads from ``window`` (about 1/W of it)."""
+        lo, hi = order.window_bounds(window)
+        perm = order.window_perm(window)
+        mine = [slices[i] for i in slices.overlapping(lo, hi)]
+        parts = [perm[max(s.lo, lo) - lo : min(s.hi, hi) - lo] for s in mine]
+        return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+
+    def _produce(self, order: Order, epoch: int, slices: Sequence[RankSlice]) -> Iterator[dict[str, Any]]:
+        assert isinstance(order, WindowedOrder) and isinstance(slices, RankSlices)
+        if not slices:
+            return
+        last_window = order.window_of(slices[-1].hi - 1)
         pool = cf.ThreadPoolExecutor(1) if self.options.prefetch else None
+        needed: dict[int, np.ndarray] = {}  # computed per window as the reader gets there
         cache: dict[int, Any] = {}
 
+        def rows_of(w: int) -> np.ndarray:
+            if w not in needed:
+                needed[w] = self._needed(order, slices, w)
+            return needed[w]
+
+        def following(w: int) -> int | None:
+            for nxt in range(w + 1, last_window + 1):
+                if len(rows_of(nxt)):
+                    return nxt
+            return None
+
         def load(w: int) -> Any:
-            return pool.submit(self._load, order, w, needed[w]) if pool else self._load(order, w, needed[w])
+            return pool.submit(self._load, order, w, rows_of(w)) if pool else self._load(order, w, rows_of(w))
 
         def window(w: int) -> dict[str, np.ndarray]:
             for old in [k for k in cache if k < w]:
                 del cache[old]  # memory bound: the current window and the next
+                needed.pop(old, None)
             if w not in cache:
                 cache[w] = load(w)
-            nxt = following.get(w)
-            if pool and nxt is not None and nxt not in cache:
+            nxt = following(w) if pool else None
+            if nxt is not None and nxt not in cache:
                 cache[nxt] = load(nxt)
             return cache[w].result() if pool else cache[w]
 
         try:
-            for piece, parts in zip(slices, plan):
-                cols = [(window(w), np.searchsorted(needed[w], offs)) for w, offs in parts]
+            for piece in slices:
+                parts = order.locate(piece.lo, piece.hi)
+                cols = [(window(w), np.searchsorted(rows_of(w), offs)) for w, offs in parts]
                 batch = {k: _gather([c[k] for c, _ in cols], [i for _, i in cols]) for k in cols[0][0]}
                 yield self._finish(batch, order, epoch, piece)
         finally:

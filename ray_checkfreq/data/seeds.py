@@ -19,7 +19,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _SAMPLE_DOMAIN = 0x5A3D_1E57
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         x = x + _GOLDEN
@@ -39,9 +39,9 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray | list[int]) -> np.n
     idx = np.asarray(indices, dtype=np.int64)
     if idx.size and idx.min() < 0:
         raise ValueError(f"sample indices must be >= 0, got {int(idx.min())}")
-    key = _mix(np.asarray([_u64(seed) ^ np.uint64(_SAMPLE_DOMAIN)], dtype=np.uint64))
-    key = _mix(key ^ _u64(epoch))
-    return _mix(key ^ idx.astype(np.uint64))
+    key = mix64(np.asarray([_u64(seed) ^ np.uint64(_SAMPLE_DOMAIN)], dtype=np.uint64))
+    key = mix64(key ^ _u64(epoch))
+    return mix64(key ^ idx.astype(np.uint64))
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

@@ -8,7 +8,7 @@ worker runs it; workers are started per epoch, so nothing else can leak between 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ray_checkfreq.data.core import RankSlice, Sharding
 from ray_checkfreq.data.iterator import ResumableIterator, wants_keys
-from ray_checkfreq.data.order import FullOrder, Order
+from ray_checkfreq.data.order import FullOrder, Order, take_slices
 from ray_checkfreq.data.seeds import sample_rng
 
 
@@ -61,15 +61,15 @@ class _Seeded(Dataset):
 class _Batches:
     """A batch sampler over precomputed slices; computes each batch's indices lazily."""
 
-    def __init__(self, order: Order, epoch: int, slices: list[RankSlice]) -> None:
+    def __init__(self, order: FullOrder, epoch: int, slices: Sequence[RankSlice]) -> None:
         self.order, self.epoch, self.slices = order, epoch, slices
 
     def __len__(self) -> int:
         return len(self.slices)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for piece in self.slices:
-            yield [(int(i), self.epoch) for i in self.order.take(piece.lo, piece.hi)]
+        for indices in take_slices(self.order, self.slices):
+            yield [(int(i), self.epoch) for i in indices]
 
 
 class TorchIterator(ResumableIterator):
@@ -94,9 +94,12 @@ class TorchIterator(ResumableIterator):
         self.options = options or TorchLoaderOptions()
 
     def _order(self, epoch: int) -> Order:
-        return FullOrder(num_samples=self.num_samples, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        return FullOrder(
+            num_samples=self.num_samples, seed=self.seed, epoch=epoch, shuffle=self.shuffle, version=self.order_version
+        )
 
-    def _produce(self, order: Order, epoch: int, slices: list[RankSlice]) -> Iterator[Any]:
+    def _produce(self, order: Order, epoch: int, slices: Sequence[RankSlice]) -> Iterator[Any]:
+        assert isinstance(order, FullOrder)
         opts = self.options
         extra: dict[str, Any] = {}
         if opts.num_workers > 0:
