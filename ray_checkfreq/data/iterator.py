@@ -3,8 +3,8 @@
 A front end supplies the epoch order and turns this rank's position slices into
 batches (``_produce``); the base class owns the cursor and the order version (new runs
 use ``STATE_VERSION``; a restored state brings its own, kept for the rest of the run). The
-cursor moves when a batch is handed to the caller, not when a loader prefetches it, so ``state_dict()`` taken
-after receiving batch i always resumes at batch i + 1.
+cursor moves when a batch is handed to the caller, not when a loader prefetches it, so
+``state_dict()`` taken after receiving batch i always resumes at batch i + 1.
 
 Fetch hooks (``add_fetch_hook``) run each time the caller asks for the next batch,
 before it is produced and before the cursor moves: the point where a training iteration
