@@ -11,7 +11,7 @@ import torch
 from ray_checkfreq.codec import blob as blobfmt
 from ray_checkfreq.codec import dtypes, layout, nearlossless, pool, zstdparams
 from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
-from ray_checkfreq.codec.frames import FramePlan, decode_frame, encode_frame
+from ray_checkfreq.codec.frames import FramePlan, check_stream_sizes, decode_frame, encode_frame
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,6 +198,7 @@ def _prepare(blob, base, expected_nbytes: int | None, *, bounded: bool = True):
     if expected_nbytes is None and bounded and plan.nbytes > max(stored, 1) * MAX_EXPANSION:
         raise CorruptBlobError(f"codec blob of {stored} bytes declares {plan.nbytes} decoded bytes, more than "
                                f"the {MAX_EXPANSION}x expansion decode accepts unless given expected_nbytes=")
+    check_stream_sizes(plan, header.frames, memoryview(blob).cast("B"), start, header.version)
     base_bytes = None
     if header.is_delta:
         if base is None:
