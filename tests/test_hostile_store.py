@@ -367,10 +367,12 @@ def test_an_ill_typed_skeleton_with_a_valid_checksum_fails_verify_and_falls_back
         store = CheckpointStore(str(root))
         assert store.latest().step == 1 and same_state(store.load(), state_of(1))
         assert cli_main(["verify", str(root)]) == 1  # the fault is reported, not passed
-    with copy_of(template) as root:
-        resign(newest_dir(root) / "manifest.json",
-               lambda b: set_path(b, ("state", "dict", "meta", "dict"), []))
-        assert CheckpointStore(str(root)).latest().step == 1
+    for path, value in [(("state", "dict", "meta", "dict"), []),  # a container of the wrong kind
+                        (("state", "dict", "meta", "dict", "none"), {"tensor": 0.0})]:  # a second, float reference
+        with copy_of(template) as root:
+            resign(newest_dir(root) / "manifest.json", lambda b, p=path, v=value: set_path(b, p, v))
+            store = CheckpointStore(str(root))
+            assert store.latest().step == 1 and same_state(store.load(), state_of(1))
 
 
 @pytest.mark.parametrize("shape", [[2**32, 2**32], [2**64]])
