@@ -108,7 +108,7 @@ class Pointer:
         try:
             doc = parse_stored_json(data, max_bytes=MAX_POINTER_BYTES)
         except StoredJsonError as err:
-            raise PointerError(location, f"unreadable: {err}") from None
+            raise PointerError(location, f"not JSON within the limits: {err}") from None
         if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
             raise PointerError(location, f"not a ray_checkfreq pointer (format {POINTER_FORMAT!r} expected)")
         if doc.get("version") != POINTER_VERSION:
