@@ -34,7 +34,7 @@ from ray_checkfreq.cli import main as cli_main
 from ray_checkfreq.codec import blob as blobfmt
 from ray_checkfreq.engine.checkfreq import PROFILE_NAME
 from ray_checkfreq.engine.policy import Profile
-from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError, StorageError
+from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError, StorageError, UnsupportedStateError
 from ray_checkfreq.ray.registration import PointedSteps, Pointer, PointerError, read_pointer, write_pointer
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.manifest import _dump, body_checksum
@@ -491,3 +491,18 @@ def test_a_precision_factor_exponent_is_range_checked_before_it_is_computed(temp
     with pytest.raises(SystemExit) as info:
         cli_main(["export", str(template), "--to", str(tmp_path / "x.pt"), "--precision-factor", "2**99999999999"])
     assert info.value.code == 2 and "exponent" in capsys.readouterr().err
+
+
+def test_the_writer_never_writes_what_a_reader_would_refuse(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    pcg64 = np.random.default_rng(0).bit_generator.state  # 39-digit ints: within the limit
+    store.save(1, {"w": torch.zeros(2), "rng": pcg64})
+    assert store.load()["rng"] == pcg64
+    with pytest.raises(UnsupportedStateError, match="digits"):
+        store.save(2, {"w": torch.zeros(2), "big": 10**100})
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(UnsupportedStateError, match="nested"):
+        store.save(2, {"w": torch.zeros(2)}, meta={"deep": deep})
+    assert [ref.step for ref in store.list()] == [1]

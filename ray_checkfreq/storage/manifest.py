@@ -37,7 +37,7 @@ _LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_SIZE_BYTES = 1 << 50  # a shard, a leaf's stored length or its decoded size
 MAX_NDIM = 64
-MAX_INT_FIELD = (1 << 63) - 1
+MAX_INT_FIELD = (1 << 64) - 1
 MAX_CRC32 = (1 << 32) - 1
 # "raw": the leaf's bytes as they are; "rcfz": a ray_checkfreq.codec blob (self-describing).
 CODECS = frozenset({"raw", "rcfz"})

@@ -801,9 +801,13 @@ def _checked_meta(meta: dict | None) -> dict:
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise UnsupportedStateError("meta", "meta must be a dict with str keys")
     try:
-        return json.loads(json.dumps(meta, allow_nan=False))
+        text = json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise UnsupportedStateError("meta", f"not JSON-serialisable: {err}") from None
+    try:  # within the limits a reader checks (one level more: it sits inside the manifest)
+        return parse_stored_json(f"[{text}]".encode(), max_bytes=MAX_METADATA_BYTES)[0]
+    except StoredJsonError as err:
+        raise UnsupportedStateError("meta", str(err)) from None
 
 
 def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:

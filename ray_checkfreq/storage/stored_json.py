@@ -7,7 +7,7 @@ damaged or hostile file costs bounded time and memory and fails as ``StoredJsonE
 
 - at most ``max_bytes`` bytes (each reader names its own bound);
 - arrays and objects nested at most ``MAX_NESTING`` deep;
-- no run of more than ``MAX_DIGITS`` digits (a number, or a float's mantissa or exponent);
+- no number of more than ``MAX_DIGITS`` digits (counted before it is converted);
 - no NaN, Infinity, or number that overflows a float (writers use ``allow_nan=False``).
 
 A reader then checks the document's schema (types and ranges) before using it.
@@ -23,10 +23,10 @@ from typing import Any, TypeGuard
 import numpy as np
 
 MAX_NESTING = 256
-MAX_DIGITS = 40
-# A JSON string (escapes included), removed before counting brackets and digits.
+MAX_DIGITS = 100  # a numpy PCG64 state is a 39-digit int
+# A JSON string (escapes included), removed before counting brackets. Linear on valid
+# JSON (every string closes), which is why it runs after the parse.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_DIGITS + 1))
 _OPEN = np.zeros(256, np.int8)
 _OPEN[[ord("["), ord("{")]] = 1
 _OPEN[[ord("]"), ord("}")]] = -1
@@ -40,16 +40,18 @@ def parse_stored_json(data: bytes, *, max_bytes: int) -> Any:
     """The document in ``data``; raises StoredJsonError past any limit or on bad JSON."""
     if len(data) > max_bytes:
         raise StoredJsonError(f"{len(data)} bytes, more than the {max_bytes} allowed for this file")
-    outside_strings = _STRING.sub(b'""', bytes(data))
-    _check_nesting(outside_strings)
-    if _LONG_DIGITS.search(outside_strings):
-        raise StoredJsonError(f"a number of more than {MAX_DIGITS} digits")
+    data = bytes(data)
     try:
-        return json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        document = json.loads(data.decode("utf-8"), parse_int=_bounded_int, parse_float=_finite_float,
+                              parse_constant=_refuse_constant)
+    except RecursionError:  # the parser's own bound on nesting, far past MAX_NESTING
+        raise StoredJsonError(f"arrays and objects nested more than {MAX_NESTING} deep") from None
+    except StoredJsonError:
+        raise
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError among them
         raise StoredJsonError(f"not valid JSON ({err})") from None
-    except RecursionError:  # cannot happen below MAX_NESTING; kept as a second line
-        raise StoredJsonError("nested too deeply") from None
+    _check_nesting(_STRING.sub(b'""', data))
+    return document
 
 
 def _check_nesting(text: bytes) -> None:
@@ -60,11 +62,24 @@ def _check_nesting(text: bytes) -> None:
         raise StoredJsonError(f"arrays and objects nested more than {MAX_NESTING} deep")
 
 
+def _check_digits(text: str) -> None:
+    if sum(c.isdigit() for c in text) > MAX_DIGITS:
+        raise StoredJsonError(f"a number of more than {MAX_DIGITS} digits ({text[:20]}...)")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_DIGITS:  # "-" and digits only: count before converting
+        _check_digits(text)
+    return int(text)
+
+
 def _refuse_constant(name: str) -> Any:
     raise StoredJsonError(f"non-finite number {name}")
 
 
 def _finite_float(text: str) -> float:
+    if len(text) > MAX_DIGITS:
+        _check_digits(text)
     value = float(text)
     if not math.isfinite(value):
         raise StoredJsonError(f"number {text} overflows a float")

@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from ray_checkfreq.errors import UnsupportedStateError
+from ray_checkfreq.storage.stored_json import MAX_DIGITS
 
 MAX_DEPTH = 64
+_LARGEST_STORED_INT = 10**MAX_DIGITS
 
 Leaf = torch.Tensor | np.ndarray
 KeyPath = tuple[Any, ...]
@@ -239,6 +241,8 @@ class _SkeletonEncoder(StateVisitor[Any]):
         if isinstance(value, bool) or value is None or isinstance(value, str):
             return value
         if isinstance(value, int):
+            if abs(value) >= _LARGEST_STORED_INT:  # a reader would refuse the manifest
+                raise UnsupportedStateError(_shown(name), f"an int of more than {MAX_DIGITS} digits")
             return int(value)
         return _encode_float(float(value))
 
