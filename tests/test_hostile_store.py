@@ -38,6 +38,7 @@ from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError, Storage
 from ray_checkfreq.ray.registration import PointedSteps, Pointer, PointerError, read_pointer, write_pointer
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.manifest import _dump, body_checksum
+from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 
 LOCAL = pyarrow.fs.LocalFileSystem()
 POINTED_STORE = "the-store-of-the-pointer"
@@ -506,3 +507,18 @@ def test_the_writer_never_writes_what_a_reader_would_refuse(tmp_path):
     with pytest.raises(UnsupportedStateError, match="nested"):
         store.save(2, {"w": torch.zeros(2)}, meta={"deep": deep})
     assert [ref.step for ref in store.list()] == [1]
+
+
+@pytest.mark.parametrize("text, accepted", [
+    ("[" * 256 + "]" * 256, True), ("[" * 257 + "]" * 257, False), ('["' + "[" * 300 + '"]', True),
+    ("9" * 100, True), ("-" + "9" * 101, False), ("1." + "0" * 100, False), ("1e999", False),
+    ("NaN", False), ("[-Infinity]", False), ('{"a": 1.5e300}', True), ('"\\' + '"' * 1000, False),
+])
+def test_the_stored_json_limits_are_exact(text, accepted):
+    if accepted:
+        assert parse_stored_json(text.encode(), max_bytes=4096) == json.loads(text)
+    else:
+        with pytest.raises(StoredJsonError):
+            parse_stored_json(text.encode(), max_bytes=4096)
+    with pytest.raises(StoredJsonError, match="more than the 8 allowed"):
+        parse_stored_json(b"[" + b" " * 8 + b"]", max_bytes=8)
