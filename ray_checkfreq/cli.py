@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from ray_checkfreq.bench import BENCHMARKS
+from ray_checkfreq.codec.nearlossless import MAX_FACTOR_LOG2
 from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import CheckpointStore
 
@@ -25,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (CheckFreqError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file the command writes or reads, named by the OS error
+        print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
         return 1
 
 
@@ -88,6 +93,9 @@ def _existing_store(uri: str) -> CheckpointStore:
     """A store for reading; refuses a root that is not there (and creates nothing)."""
     store = CheckpointStore(uri)
     if not store.backend.root_exists():
+        local = getattr(store.backend, "root", None)
+        if local is not None and os.path.lexists(local):
+            raise StorageError(store.uri, "is not a directory (a checkpoint store is one)")
         raise StorageError(store.uri, "does not exist")
     return store
 
@@ -149,11 +157,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _power_of_two(text: str) -> int | float:
-    """``2**19``, ``2^19`` or a number (the codec checks it is a power of two)."""
+    """``2**19``, ``2^19`` or a number (the codec checks it is a power of two); an
+    exponent is range-checked before anything is computed from it."""
     for sep in ("**", "^"):
         base, found, exponent = text.partition(sep)
         if found and base.strip() == "2" and exponent.strip().isdigit():
-            return 2 ** int(exponent)
+            digits = exponent.strip().lstrip("0") or "0"
+            if len(digits) > 3 or int(digits) > MAX_FACTOR_LOG2:
+                raise argparse.ArgumentTypeError(f"{text}: the exponent must be 0 to {MAX_FACTOR_LOG2}")
+            return 2 ** int(digits)
     try:
         return int(text)
     except ValueError:

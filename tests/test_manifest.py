@@ -101,7 +101,7 @@ def _one_tensor() -> Manifest:
         (lambda b: b["tensors"][0].update(dtype="object"), "unknown torch dtype"),
         (lambda b: b["tensors"][0].update(shape=[-1]), "bad shape"),
         (lambda b: b.update(state={"dict": {}}), "does not reference every tensor"),
-        (lambda b: b.update(state={"dict": {"w": {"pickle": 0}}}), "does not reference every tensor"),
+        (lambda b: b.update(state={"dict": {"w": {"pickle": 0}}}), "unknown skeleton tag 'pickle'"),
         (lambda b: b.update(step="3"), "'step'"),
         (lambda b: b["tensors"][0].update(codec="pickle"), "unknown codec"),
         (lambda b: b["tensors"][0].update(delta=True), "raw tensor cannot be a delta"),

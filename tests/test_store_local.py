@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 from collections import OrderedDict
 
@@ -202,7 +203,7 @@ def _flip_bit(path: str, offset: int) -> None:
     "damage, reason",
     [
         ("truncate", "truncated"),
-        ("flip_shard", "checksum mismatch"),
+        ("flip_shard", "checksum mismatch|codec blob"),  # latest() decodes as load() does
         ("delete_shard", "shard file is missing"),
         ("flip_manifest", "manifest"),
         ("future_version", "format version 99 is not supported"),
@@ -233,7 +234,7 @@ def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog,
         manifest_path.write_text(json.dumps(body, indent=1))
     caplog.set_level(logging.WARNING, logger="ray_checkfreq.storage")
     assert store.latest() == good
-    assert bad.name in caplog.text and reason in caplog.text
+    assert bad.name in caplog.text and re.search(reason, caplog.text)
     assert torch.equal(store.load()["w"], torch.arange(1000, dtype=torch.float32))
     with pytest.raises(CorruptCheckpointError, match=reason) as info:
         store.verify(bad)

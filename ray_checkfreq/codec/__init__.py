@@ -8,6 +8,7 @@ Bytes in, bytes out: no Ray, no torch.distributed, no storage. Public surface:
 """
 
 from ray_checkfreq.codec.api import (
+    MAX_EXPANSION,
     CodecConfig,
     blob_info,
     decode,
@@ -20,6 +21,7 @@ from ray_checkfreq.codec.api import (
 from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
 
 __all__ = [
+    "MAX_EXPANSION",
     "BaseMismatchError",
     "CodecConfig",
     "CodecError",

@@ -11,7 +11,7 @@ import torch
 from ray_checkfreq.codec import blob as blobfmt
 from ray_checkfreq.codec import dtypes, layout, nearlossless, pool, zstdparams
 from ray_checkfreq.codec.errors import BaseMismatchError, CodecError, CorruptBlobError
-from ray_checkfreq.codec.frames import FramePlan, decode_frame, encode_frame
+from ray_checkfreq.codec.frames import FramePlan, check_stream_sizes, decode_frame, encode_frame
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,10 @@ class CodecConfig:
 
 
 DEFAULT_CONFIG = CodecConfig()
+# Decoded bytes per stored byte that decode accepts from a blob's own header when the
+# caller does not say what size it expects (expected_nbytes=). An all-zero tensor encoded
+# with the default frames expands about 15000x; a forged header can claim any size.
+MAX_EXPANSION = 1 << 16
 
 
 def _as_bytes(x: Any, what: str) -> tuple[np.ndarray, dtypes.DtypeInfo, tuple[int, ...]]:
@@ -180,11 +184,21 @@ def _plan_from_header(h: blobfmt.Header, info: dtypes.DtypeInfo) -> FramePlan:
                      level=None, precision_bits=h.precision_bits)
 
 
-def _prepare(blob, base):
-    """Header, payload start, dtype, plan and base bytes of a blob about to be decoded."""
+def _prepare(blob, base, expected_nbytes: int | None, *, bounded: bool = True):
+    """Header, payload start, dtype, plan and base bytes of a blob about to be decoded;
+    refuses a declared size other than ``expected_nbytes`` (or, without it and when
+    ``bounded``, past ``MAX_EXPANSION``) before anything that size is allocated."""
     header, start = blobfmt.unpack(blob)
     info = dtypes.from_name(header.dtype)
     plan = _plan_from_header(header, info)
+    stored = memoryview(blob).nbytes
+    if expected_nbytes is not None and plan.nbytes != expected_nbytes:
+        raise CorruptBlobError(f"codec blob declares {info.name}{list(header.shape)} ({plan.nbytes} bytes), "
+                               f"the caller expects {expected_nbytes} bytes")
+    if expected_nbytes is None and bounded and plan.nbytes > max(stored, 1) * MAX_EXPANSION:
+        raise CorruptBlobError(f"codec blob of {stored} bytes declares {plan.nbytes} decoded bytes, more than "
+                               f"the {MAX_EXPANSION}x expansion decode accepts unless given expected_nbytes=")
+    check_stream_sizes(plan, header.frames, memoryview(blob).cast("B"), start, header.version)
     base_bytes = None
     if header.is_delta:
         if base is None:
@@ -203,13 +217,16 @@ def _prepare(blob, base):
 
 def decode(blob: bytes | bytearray | memoryview, *,
            base: torch.Tensor | np.ndarray | None = None,
-           threads: int | None = None) -> torch.Tensor:
+           threads: int | None = None, expected_nbytes: int | None = None) -> torch.Tensor:
     """The tensor stored in ``blob``: contiguous, on CPU, bit-identical to what was encoded.
 
     Raises :class:`CorruptBlobError` for a damaged blob and :class:`BaseMismatchError`
     for a delta blob given no base or another base than the one it was encoded with.
+    ``expected_nbytes``: the decoded size the caller knows (from a manifest, say); a blob
+    declaring another is refused before any allocation. Without it a blob may declare at
+    most ``MAX_EXPANSION`` times its own length.
     """
-    header, start, info, plan, base_bytes = _prepare(blob, base)
+    header, start, info, plan, base_bytes = _prepare(blob, base, expected_nbytes)
     # numpy backs large arrays with transparent huge pages (madvise); a torch.empty of the
     # same size takes a page fault per 4 KB on first write, measured 4x slower to fill.
     if plan.nbytes == 0:
@@ -229,7 +246,7 @@ def decode_into(blob: bytes | bytearray | memoryview, out: torch.Tensor | np.nda
     first write to a new page costs about as much as copying it). ``out`` may hold partly
     written data if an error is raised. ``out`` must not overlap ``blob`` or ``base``.
     """
-    header, start, info, plan, base_bytes = _prepare(blob, base)
+    header, start, info, plan, base_bytes = _prepare(blob, base, None, bounded=False)  # out bounds it
     if isinstance(out, torch.Tensor):
         if out.device.type != "cpu" or not out.is_contiguous() or out.layout != torch.strided:
             raise CodecError("decode_into: out must be a contiguous CPU tensor")
@@ -268,14 +285,14 @@ def _decode_frames(blob, header: blobfmt.Header, start: int, plan: FramePlan,
 
 def decode_numpy(blob: bytes | bytearray | memoryview, *,
                  base: torch.Tensor | np.ndarray | None = None,
-                 threads: int | None = None) -> np.ndarray:
+                 threads: int | None = None, expected_nbytes: int | None = None) -> np.ndarray:
     """Like :func:`decode` but a numpy array; dtypes numpy lacks (bfloat16, float8,
     complex32) raise :class:`CodecError`: use :func:`decode` and convert with torch."""
     header, _ = blobfmt.unpack(blob)
     np_dtype = dtypes.from_name(header.dtype).numpy_dtype
     if np_dtype is None:
         raise CodecError(f"numpy has no {header.dtype} dtype; use decode() to get a tensor")
-    t = decode(blob, base=base, threads=threads)
+    t = decode(blob, base=base, threads=threads, expected_nbytes=expected_nbytes)
     return t.view(torch.uint8).numpy().view(np_dtype).reshape(header.shape) if t.ndim else (
         t.reshape(1).view(torch.uint8).numpy().view(np_dtype).reshape(()))
 

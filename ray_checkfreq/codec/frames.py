@@ -12,6 +12,7 @@ from ray_checkfreq.codec import huffman, nearlossless, zstdparams
 from ray_checkfreq.codec.blob import (
     METHOD_FILL,
     METHOD_HUF,
+    METHOD_NAMES,
     METHOD_RAW,
     METHOD_ZSTD,
     VERSION,
@@ -128,6 +129,39 @@ def _pack_stream(plan: FramePlan, j: int, stream: Any) -> tuple[Any, int]:
         return packed, method
     # A copy: split() may return views of memory that the next frame reuses.
     return bytes(stream), METHOD_RAW
+
+
+def check_stream_sizes(plan: FramePlan, frames: tuple[FrameEntry, ...], payload: memoryview, start: int,
+                       version: int) -> None:
+    """Before any output is allocated: every stream of every frame must be able to hold
+    exactly the bytes its frame needs (a raw stream is that long, a zstd stream's header
+    declares that size, a Huffman stream codes at least one bit per byte, a fill is 2
+    bytes). A header forged to declare more than its streams hold is refused here."""
+    pos = start
+    for i, entry in enumerate(frames):
+        lo, hi = plan.bounds(i)
+        for (method, n), need in zip(entry.streams, plan.layout.stream_lengths(hi - lo), strict=True):
+            if method not in (METHOD_RAW, METHOD_ZSTD) and version < VERSION_HUF:
+                raise CorruptBlobError(f"codec blob frame {i} has an invalid stream entry")
+            if not _can_hold(method, payload[pos:pos + n], need, version):
+                raise CorruptBlobError(f"codec blob frame {i}: a {METHOD_NAMES.get(method, '?')} stream of "
+                                       f"{n} stored bytes cannot hold the {need} bytes its header declares")
+            pos += n
+
+
+def _can_hold(method: int, chunk: memoryview, need: int, version: int) -> bool:
+    if method == METHOD_RAW:
+        return len(chunk) == need
+    if method == METHOD_ZSTD:
+        try:
+            return bool(zstandard.get_frame_parameters(chunk).content_size == need)
+        except zstandard.ZstdError:
+            return False
+    if version >= VERSION_HUF and method == METHOD_FILL:
+        return len(chunk) == 2
+    if version >= VERSION_HUF and method == METHOD_HUF:
+        return need <= 8 * (len(chunk) - huffman.HEADER_BYTES)
+    return False
 
 
 def decode_frame(plan: FramePlan, entry: FrameEntry, payload: memoryview, offset: int,

@@ -42,6 +42,7 @@ from ray_checkfreq.engine.profiling import (
     WARMUP_ITERS,
     CodecTrial,
     ProfilingWindow,
+    cached_profile,
     fingerprint,
     fingerprint_changes,
 )
@@ -248,11 +249,11 @@ class CheckFreq:
         if not cached:
             return
         try:
-            profile = Profile.from_json(cached["profile"])
+            profile, cached_fingerprint = cached_profile(cached)
         except (KeyError, TypeError, ValueError) as err:
-            logger.warning("ignoring cached profile in %s: %s", self.store.uri, err)
+            logger.warning("ignoring cached profile %s: %s", self.store.backend.uri(PROFILE_NAME), err)
             return
-        self._cached = {"profile": profile, "fingerprint": cached.get("fingerprint")}
+        self._cached = {"profile": profile, "fingerprint": cached_fingerprint}
 
     def _use_cached_profile(self) -> None:
         cached, self._cached = self._cached, None

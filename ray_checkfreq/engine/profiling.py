@@ -31,6 +31,7 @@ from ray_checkfreq.engine.policy import (
     quiet_reference_s,
 )
 from ray_checkfreq.engine.snapshot import tensors_in
+from ray_checkfreq.storage.stored_json import is_number
 
 WARMUP_ITERS = 2
 MIN_TI_SAMPLES = 5
@@ -223,6 +224,31 @@ def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+# The cached profile's fields and the JSON types each may hold (checked before Profile
+# sees them: a string where a number belongs would fail only later, mid-training).
+_PROFILE_NUMBERS = ("iter_s", "update_s", "cpu_copy_s", "persist_s", "size_bytes", "peak_memory_bytes",
+                    "total_memory_bytes", "interference_s")
+_MAX_SECONDS_OR_BYTES = 1e18
+
+
+def cached_profile(document: Any) -> tuple[Profile, Any]:
+    """(profile, fingerprint) of a cached profile document (``store.read_metadata``);
+    ValueError naming the first field whose type or range is wrong."""
+    if not isinstance(document, dict) or not isinstance(document.get("profile"), dict):
+        raise ValueError("expected an object with a 'profile' object")
+    fields = document["profile"]
+    for name in _PROFILE_NUMBERS:
+        value = fields.get(name, 0)
+        if not is_number(value) or not 0 <= value <= _MAX_SECONDS_OR_BYTES:
+            raise ValueError(f"profile field {name}={value!r:.60}: not a number in [0, {_MAX_SECONDS_OR_BYTES:g}]")
+    gpu_copy_s = fields.get("gpu_copy_s")
+    if gpu_copy_s is not None and (not is_number(gpu_copy_s) or not 0 <= gpu_copy_s <= _MAX_SECONDS_OR_BYTES):
+        raise ValueError(f"profile field gpu_copy_s={gpu_copy_s!r:.60}: not null or a number")
+    if not isinstance(fields.get("compress", True), bool):
+        raise ValueError(f"profile field compress={fields.get('compress')!r:.60}: not a bool")
+    return Profile.from_json(fields), document.get("fingerprint")
 
 
 def fingerprint_changes(cached: Any, current: dict) -> list[str]:

@@ -32,6 +32,8 @@ from typing import Any
 from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.ray.transfer import broadcast_json
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.names import MAX_STEP
+from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -39,6 +41,7 @@ POINTER_PREFIX = "checkfreq-pointer-"
 POINTER_FILE = "checkfreq-pointer.json"
 POINTER_FORMAT = "ray_checkfreq.pointer"
 POINTER_VERSION = 1
+MAX_POINTER_BYTES = 64 * 1024
 FIRST_CHECK_AFTER = 32  # iterations after a start before rank 0 is first asked (it has a Ti by then)
 
 
@@ -103,18 +106,18 @@ class Pointer:
     @classmethod
     def decode(cls, data: bytes, location: str) -> Pointer:
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PointerError(location, f"not JSON: {err}") from None
+            doc = parse_stored_json(data, max_bytes=MAX_POINTER_BYTES)
+        except StoredJsonError as err:
+            raise PointerError(location, f"not JSON within the limits: {err}") from None
         if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
             raise PointerError(location, f"not a ray_checkfreq pointer (format {POINTER_FORMAT!r} expected)")
         if doc.get("version") != POINTER_VERSION:
             raise PointerError(location, f"pointer version {doc.get('version')!r}, this reader knows "
                                          f"{POINTER_VERSION}")
         step, uri, on_run = doc.get("step"), doc.get("store_uri"), doc.get("run_filesystem")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(uri, str) \
+        if not is_int(step) or not 0 <= step <= MAX_STEP or not isinstance(uri, str) \
                 or not uri or not isinstance(on_run, bool):
-            raise PointerError(location, f"malformed pointer: {doc}")
+            raise PointerError(location, f"malformed pointer: {doc!r:.300}")
         return cls(store_uri=uri, step=step, run_filesystem=on_run)
 
 
@@ -180,8 +183,9 @@ class PointedSteps:
     def _read(self, path: str) -> Pointer | None:
         try:
             return read_pointer(self.filesystem, path)
-        except PointerError as err:  # being deleted by Ray, or not ours: it protects nothing
-            logger.debug("ignoring %s", err)
+        except PointerError as err:  # being deleted by Ray, not ours, or damaged: it protects nothing
+            damaged = err.location.endswith(POINTER_FILE)  # the file is there but does not parse
+            (logger.warning if damaged else logger.debug)("ignoring pointer %s", err)
             return None
 
 

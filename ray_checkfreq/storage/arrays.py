@@ -7,6 +7,7 @@ of the buffer it was read into (no copy), contiguous, on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ class LeafSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+        return math.prod(self.shape) * self.itemsize  # Python ints: no overflow
 
     @property
     def itemsize(self) -> int:
@@ -101,5 +102,5 @@ def leaf_from_buffer(spec: LeafSpec, buffer: Any, offset: int) -> Any:
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=spec.nbytes, offset=offset)
         return raw.view(dtype).reshape(spec.shape)
     array_dtype = numpy_dtype(spec.dtype)
-    count = int(np.prod(spec.shape, dtype=np.int64))
+    count = math.prod(spec.shape)
     return np.frombuffer(buffer, dtype=array_dtype, count=count, offset=offset).reshape(spec.shape)

@@ -71,10 +71,11 @@ def decode_leaf(spec: LeafSpec, codec_name: str, buffer: Any, offset: int, lengt
     blob = memoryview(buffer)[offset:offset + length]
     leaf: Any
     try:
+        # The manifest's size, checked against the blob's header before decoding allocates.
         if spec.kind == "torch":
-            leaf = codec.decode(blob, base=base, threads=threads)
+            leaf = codec.decode(blob, base=base, threads=threads, expected_nbytes=spec.nbytes)
         else:
-            leaf = codec.decode_numpy(blob, base=base, threads=threads)
+            leaf = codec.decode_numpy(blob, base=base, threads=threads, expected_nbytes=spec.nbytes)
     except codec.CodecError as err:
         raise LeafDecodeError(str(err)) from None
     if leaf_spec(leaf) != spec:

@@ -40,6 +40,9 @@ def export_checkpoint(store: Any, step: int | None, target: str, *, precision_fa
     """
     if not (target.endswith(".safetensors") or target.endswith(".pt")):
         raise ValueError(f"--to {target!r}: the file name must end in .safetensors or .pt")
+    directory = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(directory):  # refused before the checkpoint is read
+        raise ValueError(f"--to {target!r}: directory {directory!r} does not exist")
     trim = {"precision_factor": precision_factor, "precision_bits": precision_bits}
     given = {k: v for k, v in trim.items() if v is not None}
     if given:  # a bad setting is refused before anything is read

@@ -13,27 +13,26 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 import uuid
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.names import MAX_GENERATION, marker_name, parse_marker
 
 WRITERS_DIR = "writers"
-_MARKER = re.compile(r"^gen-(\d{12})\.json$")
 _ACQUIRE_ATTEMPTS = 50
 
 
 def marker_path(generation: int) -> str:
-    return f"{WRITERS_DIR}/gen-{generation:012d}.json"
+    return f"{WRITERS_DIR}/{marker_name(generation)}"
 
 
 def newest_marker(backend: Backend) -> int:
-    """The newest generation taken on this URI (0 when none)."""
-    found = (_MARKER.match(name) for name in backend.list_files(WRITERS_DIR))
-    return max((int(match.group(1)) for match in found if match), default=0)
+    """The newest generation taken on this URI (0 when none); other names are ignored."""
+    found = (parse_marker(name) for name in backend.list_files(WRITERS_DIR))
+    return max((generation for generation in found if generation is not None), default=0)
 
 
 def has_marker(backend: Backend, generation: int) -> bool:
@@ -45,6 +44,10 @@ def acquire_generation(backend: Backend, newest_in_use: int) -> int:
     floor = newest_in_use
     for _ in range(_ACQUIRE_ATTEMPTS):
         generation = max(floor, newest_marker(backend)) + 1
+        if generation > MAX_GENERATION:
+            raise StorageError(backend.uri(WRITERS_DIR), f"writer generation {generation} is past the "
+                               f"largest one names can hold ({MAX_GENERATION}): a directory or marker "
+                               "with a forged generation? remove it")
         if backend.create_exclusive(marker_path(generation), _marker_body(generation), make_parents=True):
             return generation
         floor = generation

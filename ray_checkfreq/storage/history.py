@@ -34,6 +34,7 @@ from ray_checkfreq import codec
 from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage.arrays import leaf_bytes
 from ray_checkfreq.storage.encoding import EncodeOptions
+from ray_checkfreq.storage.names import checkpoint_dir_name
 from ray_checkfreq.storage.tree import flatten_state, unflatten_state
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def _write_copy(store: CheckpointStore, trim: HistoryTrim, entry: _Entry, trimme
     state = unflatten_state(manifest.state, [trim.trim_leaf(leaf) for leaf in leaves])
     base = _delta_base(store, trim, trimmed)
     options = EncodeOptions(codec="rcfz", level=store.config.codec_level, threads=store.config.codec_threads)
-    name = f"step-{entry.step:012d}-g{store._generation:06d}-{uuid.uuid4().hex[:8]}"
+    name = checkpoint_dir_name(entry.step, store._generation or 0, uuid.uuid4().hex[:8])
     try:
         store._write_checkpoint(name, entry.step, flatten_state(state), True, dict(manifest.meta), options,
                                 _DeltaBase(name=base[0], leaves=base[1]) if base else None,

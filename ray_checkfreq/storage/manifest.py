@@ -14,7 +14,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_checkfreq.codec import MAX_EXPANSION
+from ray_checkfreq.codec.nearlossless import MAX_FACTOR_LOG2
 from ray_checkfreq.storage.arrays import LeafSpec, numpy_dtype, torch_dtype
+from ray_checkfreq.storage.names import CHECKPOINT_DIR, MAX_GENERATION, MAX_STEP
+from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs
 
 FORMAT_NAME = "ray_checkfreq.checkpoint"
@@ -28,8 +32,13 @@ CHECKSUM_ALGORITHM = "crc32"
 # Shard names are plain file names: nothing a manifest says can leave its directory.
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
-# step-<step>-[g<writer generation>-]<random>; without "g" (written before fencing): generation 0.
-CHECKPOINT_DIR = re.compile(r"^step-(?P<step>\d{12,})-(?:g(?P<generation>\d{6,18})-)?(?P<suffix>[0-9a-f]{8})$")
+# Limits a manifest must keep (docs/format.md); past them it is corrupt. Every size and
+# offset is a Python int, so nothing overflows while they are checked.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_SIZE_BYTES = 1 << 50  # a shard, a leaf's stored length or its decoded size
+MAX_NDIM = 64
+MAX_INT_FIELD = (1 << 64) - 1
+MAX_CRC32 = (1 << 32) - 1
 # "raw": the leaf's bytes as they are; "rcfz": a ray_checkfreq.codec blob (self-describing).
 CODECS = frozenset({"raw", "rcfz"})
 
@@ -129,9 +138,9 @@ def body_checksum(body: dict) -> int:
 def decode_manifest(data: bytes) -> Manifest:
     """Parse and validate; raises ManifestError with the reason."""
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ManifestError(f"not valid JSON ({err})") from None
+        body = parse_stored_json(data, max_bytes=MAX_MANIFEST_BYTES)
+    except StoredJsonError as err:
+        raise ManifestError(str(err)) from None
     if not isinstance(body, dict):
         raise ManifestError("top level is not a JSON object")
     _check_format(body)
@@ -168,7 +177,7 @@ def _build_manifest(body: dict) -> Manifest:
     meta = _field(body, "meta", dict)
     delta_base = _parse_delta_base(body, tensors)
     return Manifest(
-        step=_nonneg_int(body, "step"),
+        step=_nonneg_int(body, "step", MAX_STEP),
         epoch_boundary=_field(body, "epoch_boundary", bool),
         created_unix_ns=_nonneg_int(body, "created_unix_ns"),
         shards=shards,
@@ -176,7 +185,7 @@ def _build_manifest(body: dict) -> Manifest:
         state=body.get("state"),
         meta=meta,
         delta_base=delta_base,
-        writer_generation=_nonneg_int(body, "writer_generation") if "writer_generation" in body else 0,
+        writer_generation=_nonneg_int(body, "writer_generation", MAX_GENERATION) if "writer_generation" in body else 0,
         history_trim=_parse_history_trim(body),
     )
 
@@ -188,10 +197,19 @@ def _parse_history_trim(body: dict) -> dict | None:
         if value is not None:
             raise ManifestError(f"history_trim in a format version {FORMAT_VERSION} manifest")
         return None
-    if not isinstance(value, dict) or not CHECKPOINT_DIR.match(str(value.get("source"))):
-        raise ManifestError(f"history_trim {value!r}: expected an object naming its source checkpoint")
-    if (value.get("precision_factor") is None) == (value.get("precision_bits") is None):
-        raise ManifestError(f"history_trim {value!r}: expected precision_factor or precision_bits")
+    if not isinstance(value, dict) or not isinstance(value.get("source"), str) \
+            or not CHECKPOINT_DIR.match(value["source"]):
+        raise ManifestError(f"history_trim {value!r:.200}: expected an object naming its source checkpoint")
+    factor, bits = value.get("precision_factor"), value.get("precision_bits")
+    if (factor is None) == (bits is None):
+        raise ManifestError(f"history_trim {value!r:.200}: expected precision_factor or precision_bits")
+    # Range first, then the power of two: nothing is computed from an unchecked number.
+    if factor is not None and not (is_int(factor) and 1 <= factor.bit_length() <= MAX_FACTOR_LOG2 + 1
+                                   and factor & (factor - 1) == 0):
+        raise ManifestError(f"history_trim precision_factor {factor!r:.60}: not a power of two "
+                            f"from 1 to 2**{MAX_FACTOR_LOG2}")
+    if bits is not None and not (is_int(bits) and 0 <= bits <= 64):
+        raise ManifestError(f"history_trim precision_bits {bits!r:.60}: not an int from 0 to 64")
     return value
 
 
@@ -210,7 +228,7 @@ def _parse_shard(raw: Any) -> ShardEntry:
     name = _field(raw, "name", str)
     if not _SHARD_NAME.match(name) or ".." in name:
         raise ManifestError(f"shard name {name!r} is not a plain file name (escapes the checkpoint?)")
-    return ShardEntry(name=name, size_bytes=_nonneg_int(raw, "size_bytes"))
+    return ShardEntry(name=name, size_bytes=_nonneg_int(raw, "size_bytes", MAX_SIZE_BYTES))
 
 
 def _parse_tensor(raw: Any, shard_sizes: dict[str, int]) -> TensorEntry:
@@ -223,10 +241,10 @@ def _parse_tensor(raw: Any, shard_sizes: dict[str, int]) -> TensorEntry:
         spec=spec,
         codec=_field(raw, "codec", str),
         shard=_field(raw, "shard", str),
-        offset=_nonneg_int(raw, "offset"),
-        length=_nonneg_int(raw, "length"),
-        stored_crc32=_nonneg_int(raw, "stored_crc32"),
-        raw_crc32=_nonneg_int(raw, "raw_crc32"),
+        offset=_nonneg_int(raw, "offset", MAX_SIZE_BYTES),
+        length=_nonneg_int(raw, "length", MAX_SIZE_BYTES),
+        stored_crc32=_nonneg_int(raw, "stored_crc32", MAX_CRC32),
+        raw_crc32=_nonneg_int(raw, "raw_crc32", MAX_CRC32),
         delta=_field(raw, "delta", bool),
     )
     if entry.codec not in CODECS:
@@ -239,6 +257,9 @@ def _parse_tensor(raw: Any, shard_sizes: dict[str, int]) -> TensorEntry:
         raise ManifestError(f"tensor {key!r} extends past the end of shard {entry.shard!r}")
     if entry.codec == "raw" and entry.length != spec.nbytes:
         raise ManifestError(f"tensor {key!r}: raw length {entry.length} != {spec.nbytes} for its shape")
+    if entry.codec == "rcfz" and spec.nbytes > max(entry.length, 1) * MAX_EXPANSION:
+        raise ManifestError(f"tensor {key!r}: {spec.nbytes} bytes from a {entry.length}-byte codec blob "
+                            f"is more than the {MAX_EXPANSION}x expansion a blob may have")
     return entry
 
 
@@ -246,8 +267,8 @@ def _parse_spec(raw: dict, key: str) -> LeafSpec:
     kind = _field(raw, "kind", str)
     dtype = _field(raw, "dtype", str)
     shape = _field(raw, "shape", list)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ManifestError(f"tensor {key!r}: bad shape {shape!r}")
+    if len(shape) > MAX_NDIM or not all(is_int(d) and 0 <= d <= MAX_SIZE_BYTES for d in shape):
+        raise ManifestError(f"tensor {key!r}: bad shape {shape!r:.200}")
     try:
         if kind == "torch":
             torch_dtype(dtype)
@@ -257,7 +278,10 @@ def _parse_spec(raw: dict, key: str) -> LeafSpec:
             raise ValueError(f"unknown leaf kind {kind!r}")
     except ValueError as err:
         raise ManifestError(f"tensor {key!r}: {err}") from None
-    return LeafSpec(kind=kind, dtype=dtype, shape=tuple(shape))
+    spec = LeafSpec(kind=kind, dtype=dtype, shape=tuple(shape))
+    if spec.nbytes > MAX_SIZE_BYTES:
+        raise ManifestError(f"tensor {key!r}: shape {shape!r} holds {spec.nbytes} bytes, more than {MAX_SIZE_BYTES}")
+    return spec
 
 
 def _check_refs(state: Any, tensors: tuple[TensorEntry, ...]) -> None:
@@ -265,8 +289,7 @@ def _check_refs(state: Any, tensors: tuple[TensorEntry, ...]) -> None:
         refs = skeleton_leaf_refs(state)
     except SkeletonError as err:
         raise ManifestError(f"state skeleton: {err}") from None
-    indices = [index for _, index in refs]
-    if sorted(i for i in indices if isinstance(i, int)) != list(range(len(tensors))):
+    if sorted(index for _, index in refs) != list(range(len(tensors))):
         raise ManifestError("state skeleton does not reference every tensor exactly once")
     for tag, index in refs:
         if tag not in _LEAF_TAGS[tensors[index].spec.kind]:
@@ -280,8 +303,8 @@ def _field(raw: dict, name: str, kind: type) -> Any:
     return value
 
 
-def _nonneg_int(raw: dict, name: str) -> int:
+def _nonneg_int(raw: dict, name: str, maximum: int = MAX_INT_FIELD) -> int:
     value = _field(raw, name, int)
-    if value < 0:
-        raise ManifestError(f"field {name!r} is negative")
+    if not 0 <= value <= maximum:
+        raise ManifestError(f"field {name!r} is {value}: not in [0, {maximum}]")
     return value

@@ -65,8 +65,8 @@ from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
 from ray_checkfreq.storage.history import HistoryTrim, is_trimmed, trim_history
 from ray_checkfreq.storage.manifest import (
-    CHECKPOINT_DIR,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
     ShardEntry,
@@ -74,11 +74,14 @@ from ray_checkfreq.storage.manifest import (
     decode_manifest,
     encode_manifest,
 )
+from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
+MAX_METADATA_BYTES = 16 * MiB
 ALIGN_BYTES = 64
 _ZEROS = bytes(BLOCK)
 
@@ -266,7 +269,7 @@ class CheckpointStore:
             generation = self._writer(entries)
             self._check_fence(entries)
             self._delete_leftovers(entries)
-            name = f"step-{step:012d}-g{generation:06d}-{uuid.uuid4().hex[:8]}"
+            name = checkpoint_dir_name(step, generation, uuid.uuid4().hex[:8])
             base = self._usable_base(options)
             try:
                 manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base,
@@ -510,10 +513,9 @@ class CheckpointStore:
     def _scan(self, read_manifests: bool = True) -> builtins.list[_Entry]:
         entries = []
         for name, files in self.backend.list_tree().items():
-            match = CHECKPOINT_DIR.match(name)
-            if match:
-                entry = _Entry(name=name, step=int(match["step"]), generation=int(match["generation"] or 0),
-                               files=files)
+            parsed = parse_checkpoint_dir(name)
+            if parsed is not None:  # any other name is not a checkpoint: ignored
+                entry = _Entry(name=name, step=parsed[0], generation=parsed[1], files=files)
                 if read_manifests and entry.committed:
                     self._read_manifest_into(entry)
                 entries.append(entry)
@@ -522,6 +524,8 @@ class CheckpointStore:
     def _read_manifest_into(self, entry: _Entry) -> None:
         location = self.backend.uri(f"{entry.name}/{MANIFEST_NAME}")
         try:
+            if entry.files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not even read
+                raise ManifestError(f"{entry.files[MANIFEST_NAME]} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
             entry.manifest = decode_manifest(self.backend.read_small(f"{entry.name}/{MANIFEST_NAME}"))
             if entry.manifest.step != entry.step:
                 raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
@@ -565,10 +569,11 @@ class CheckpointStore:
         return rows
 
     def latest(self) -> CheckpointRef | None:
-        """The newest checkpoint that verifies (reads and checks all of its bytes)."""
+        """The newest checkpoint that loads: read, decoded and checked by the very rule
+        ``load()`` applies, so ``load()`` returns this checkpoint's state."""
         for ref in self._newest_first():
             try:
-                self.verify(ref)  # remembers it as verified
+                self._read(ref, build=True)  # remembers it as verified
                 return ref
             except CorruptCheckpointError as err:
                 logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
@@ -633,11 +638,12 @@ class CheckpointStore:
         raise CheckpointNotFoundError(f"no valid checkpoint in {self.uri}{detail}")
 
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
-        """Raise CorruptCheckpointError naming the file unless every byte checks out."""
-        self._read(self._find(ref_or_step), build=False)
+        """Raise CorruptCheckpointError naming the file unless every byte checks out and
+        the checkpoint loads (what ``load()`` accepts, and every stored checksum too)."""
+        self._read(self._find(ref_or_step), build=True, check_stored=True)
 
-    def _read(self, ref: CheckpointRef, *, build: bool) -> Any:
-        manifest, leaves = self._read_leaves(ref, build=build)
+    def _read(self, ref: CheckpointRef, *, build: bool, check_stored: bool = False) -> Any:
+        manifest, leaves = self._read_leaves(ref, build=build, check_stored=check_stored)
         if not build:
             self._verified.add(ref.name)
             return None
@@ -648,7 +654,8 @@ class CheckpointStore:
         self._verified.add(ref.name)
         return state
 
-    def _read_leaves(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, builtins.list]:
+    def _read_leaves(self, ref: CheckpointRef, *, build: bool,
+                     check_stored: bool = False) -> tuple[Manifest, builtins.list]:
         manifest = self._load_manifest(ref)
         bases = self._read_base(ref, manifest, build=build)
         files = self.backend.list_files(ref.name)
@@ -659,7 +666,7 @@ class CheckpointStore:
             by_shard.setdefault(tensor.shard, []).append(index)
         leaves: list[Any] = [None] * len(manifest.tensors)
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-read") as pool:
-            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build, bases)
+            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build, bases, check_stored)
                     for s, idx in by_shard.items()]
             for job in jobs:
                 job.result()
@@ -706,7 +713,7 @@ class CheckpointStore:
             )
 
     def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: builtins.list[int],
-                    leaves: builtins.list, build: bool, bases: dict[str, Any]) -> None:
+                    leaves: builtins.list, build: bool, bases: dict[str, Any], check_stored: bool) -> None:
         location = self.backend.uri(f"{ref.name}/{shard}")
         try:
             buffer = self.backend.read(f"{ref.name}/{shard}")
@@ -719,7 +726,7 @@ class CheckpointStore:
                 raise CorruptCheckpointError(location, f"tensor {entry.key!r} lies past the end of the shard")
             # Decoding a codec blob checks the blob's own checksums and then raw_crc32, so the
             # stored-bytes pass is needed only for raw tensors and for verify().
-            if (entry.codec == "raw" or not build) and (
+            if (entry.codec == "raw" or not build or check_stored) and (
                 crc32(view[entry.offset:entry.offset + entry.length]) != entry.stored_crc32
             ):
                 raise CorruptCheckpointError(location, f"checksum mismatch in tensor {entry.key!r}")
@@ -743,18 +750,20 @@ class CheckpointStore:
         self.backend.write_atomic(name, json.dumps(data, indent=1, allow_nan=False).encode("utf-8"))
 
     def read_metadata(self, name: str) -> dict | None:
-        """A document written by ``write_metadata``; None if absent or unreadable (logged)."""
+        """A document written by ``write_metadata``; None if absent or unreadable (a
+        warning names the file). The caller checks the document's schema."""
         _check_metadata_name(name)
-        import json
-
         try:
-            data = json.loads(self.backend.read_small(name).decode("utf-8"))
+            data = parse_stored_json(self.backend.read_small(name), max_bytes=MAX_METADATA_BYTES)
         except FileNotFoundError:
             return None
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except StoredJsonError as err:
             logger.warning("ignoring unreadable %s: %s", self.backend.uri(name), err)
             return None
-        return data if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            logger.warning("ignoring %s: not a JSON object", self.backend.uri(name))
+            return None
+        return data
 
     def close(self) -> None:
         self.backend.close()
@@ -768,8 +777,10 @@ def _check_metadata_name(name: str) -> None:
 
 
 def _checked_generation(generation: Any) -> int | None:
-    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int) or generation < 1):
-        raise ValueError(f"writer_generation={generation!r}: must be an int >= 1 (from acquire_writer) or None")
+    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
+                                   or not 1 <= generation <= MAX_GENERATION):
+        raise ValueError(f"writer_generation={generation!r}: must be an int from 1 to {MAX_GENERATION} "
+                         "(from acquire_writer) or None")
     return generation
 
 
@@ -778,8 +789,8 @@ def _rebuild_store(uri: str, kwargs: dict) -> CheckpointStore:
 
 
 def _check_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r}: must be an int >= 0")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step={step!r}: must be an int from 0 to {MAX_STEP}")
 
 
 def _checked_meta(meta: dict | None) -> dict:
@@ -790,9 +801,13 @@ def _checked_meta(meta: dict | None) -> dict:
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise UnsupportedStateError("meta", "meta must be a dict with str keys")
     try:
-        return json.loads(json.dumps(meta, allow_nan=False))
+        text = json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise UnsupportedStateError("meta", f"not JSON-serialisable: {err}") from None
+    try:  # within the limits a reader checks (one level more: it sits inside the manifest)
+        return parse_stored_json(f"[{text}]".encode(), max_bytes=MAX_METADATA_BYTES)[0]
+    except StoredJsonError as err:
+        raise UnsupportedStateError("meta", str(err)) from None
 
 
 def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:

@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from ray_checkfreq.errors import UnsupportedStateError
+from ray_checkfreq.storage.stored_json import MAX_DIGITS
 
 MAX_DEPTH = 64
+_LARGEST_STORED_INT = 10**MAX_DIGITS
 
 Leaf = torch.Tensor | np.ndarray
 KeyPath = tuple[Any, ...]
@@ -239,6 +241,8 @@ class _SkeletonEncoder(StateVisitor[Any]):
         if isinstance(value, bool) or value is None or isinstance(value, str):
             return value
         if isinstance(value, int):
+            if abs(value) >= _LARGEST_STORED_INT:  # a reader would refuse the manifest
+                raise UnsupportedStateError(_shown(name), f"an int of more than {MAX_DIGITS} digits")
             return int(value)
         return _encode_float(float(value))
 
@@ -288,6 +292,7 @@ def _decode(node: Any, leaves: list[Any]) -> Any:
         items = [_decode(v, leaves) for v in _expect_list(node[tag])]
         return tuple(items) if tag == "tuple" else items
     if tag == "dict":
+        _children("dict", node["dict"])  # checks it is an object
         return _finish_mapping(node, [(k, _decode(v, leaves)) for k, v in node["dict"].items()], leaves)
     if tag == "items":
         pairs = [_decode_pair(pair, leaves) for pair in _expect_list(node["items"])]
@@ -329,12 +334,13 @@ def _expect_list(value: Any) -> list:
     return value
 
 
-def skeleton_leaf_refs(node: Any) -> list[tuple[str, Any]]:
-    """All ``(tag, index)`` leaf references of a skeleton, in order, for validation.
+def skeleton_leaf_refs(node: Any) -> list[tuple[str, int]]:
+    """All ``(tag, index)`` leaf references of a skeleton, in order, checking that every
+    node is one ``unflatten_state`` decodes (SkeletonError naming the first that is not).
 
     Walks by tag, so a user key that happens to be called "tensor" is not a reference.
     """
-    refs: list[tuple[str, Any]] = []
+    refs: list[tuple[str, int]] = []
     _collect_refs(node, refs, 0)
     return refs
 
@@ -342,20 +348,39 @@ def skeleton_leaf_refs(node: Any) -> list[tuple[str, Any]]:
 def _collect_refs(node: Any, refs: list, depth: int) -> None:
     if depth > 4 * MAX_DEPTH:
         raise SkeletonError("skeleton nested too deeply")
+    if node is None or isinstance(node, (bool, str, int, float)):
+        return
     if not isinstance(node, dict) or not node:
-        return
+        raise SkeletonError(f"unexpected skeleton node {node!r:.80}")
     tag = next(iter(node))
+    value = node[tag]
     if tag in ("tensor", "ndarray", "npscalar"):
-        refs.append((tag, node[tag]))
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SkeletonError(f"{tag} reference {value!r:.80} is not an integer")
+        refs.append((tag, value))
         return
-    children: list = []
-    if tag in ("list", "tuple") and isinstance(node[tag], list):
-        children = node[tag]
-    elif tag == "dict" and isinstance(node[tag], dict):
-        children = list(node[tag].values())
-    elif tag == "items" and isinstance(node[tag], list):
-        children = [pair[1] for pair in node[tag] if isinstance(pair, list) and len(pair) == 2]
+    if tag == "float":
+        _decode_float(value)
+        return
+    children = _children(tag, value)
     if "metadata" in node:
-        children = children + [node["metadata"]]
+        if tag not in ("dict", "items"):
+            raise SkeletonError(f"metadata on a {tag} node")
+        children.append(node["metadata"])
     for child in children:
         _collect_refs(child, refs, depth + 1)
+
+
+def _children(tag: str, value: Any) -> list:
+    if tag in ("list", "tuple"):
+        return list(_expect_list(value))
+    if tag == "dict":
+        if not isinstance(value, dict):
+            raise SkeletonError(f"expected an object under dict, got {type(value).__name__}")
+        return list(value.values())
+    if tag == "items":
+        for pair in _expect_list(value):
+            if not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[0], (dict, list)):
+                raise SkeletonError(f"bad dict item {pair!r:.80}")
+        return [pair[1] for pair in value]
+    raise SkeletonError(f"unknown skeleton tag {tag!r:.80}")

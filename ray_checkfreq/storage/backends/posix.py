@@ -32,6 +32,16 @@ class PosixBackend(Backend):
     def _path(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
 
+    def _inside_root(self, directory: str) -> bool:
+        """Whether ``directory`` (or what is there of it) resolves under the root: a
+        symlink in the store (``writers/`` made one, say) must not carry a write out."""
+        root = os.path.realpath(self.root)
+        return os.path.commonpath([root, os.path.realpath(directory)]) == root
+
+    def _writable_dir(self, directory: str) -> None:
+        if not self._inside_root(directory):
+            raise StorageError(directory, "leaves the store's root through a symlink; refusing to write there")
+
     def list_dirs(self) -> list[str]:
         try:
             with os.scandir(self.root) as entries:
@@ -42,6 +52,8 @@ class PosixBackend(Backend):
             raise _storage_error(self.root, "cannot list", err) from err
 
     def list_files(self, rel_dir: str) -> dict[str, int]:
+        if not self._inside_root(self._path(rel_dir)):
+            return {}  # reached through a symlink out of the store: none of its files
         try:
             with os.scandir(self._path(rel_dir)) as entries:
                 return {e.name: e.stat().st_size for e in entries if e.is_file(follow_symlinks=False)}
@@ -52,6 +64,7 @@ class PosixBackend(Backend):
 
     def make_dir(self, rel_dir: str) -> None:
         path = self._path(rel_dir)
+        self._writable_dir(os.path.dirname(path))
         try:
             os.makedirs(path, exist_ok=False)
             _fsync_dir(os.path.dirname(path))
@@ -60,6 +73,7 @@ class PosixBackend(Backend):
 
     def write(self, rel_path: str, chunks: Sequence[Any]) -> None:
         path = self._path(rel_path)
+        self._writable_dir(os.path.dirname(path))
         try:
             # "x": a shard is always a new file, never an overwrite of committed data.
             with open(path, "xb", buffering=0) as f:
@@ -77,6 +91,7 @@ class PosixBackend(Backend):
 
     def write_atomic(self, rel_path: str, data: bytes) -> None:
         path = self._path(rel_path)
+        self._writable_dir(os.path.dirname(path))
         tmp = path + ".tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -95,6 +110,7 @@ class PosixBackend(Backend):
         path = self._path(rel_path)
         parent = os.path.dirname(path)
         tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        self._writable_dir(parent)
         try:
             if make_parents and not os.path.isdir(parent):
                 os.makedirs(parent, exist_ok=True)
