@@ -109,10 +109,14 @@ def test_the_overhead_estimate_matches_a_measured_ground_truth(tmp_path, every, 
     cf.restore()
     with_checkpoints = _loop(model, opt, cf, 75, sleep_s=0.01)
     truth = with_checkpoints / baseline - 1
-    estimate = cf.stats()["overhead_estimate"]
+    stats = cf.stats()
+    estimate = stats["overhead_measured"]
     cf.close()
     assert abs(estimate - truth) <= 0.15 + 0.35 * truth, f"estimate {estimate:.3f}, measured {truth:.3f}"
     assert truth > 0.1
+    # the exported figure is the share of wall time: in [0, 1], the same measurement
+    assert 0 <= stats["overhead_estimate"] <= 1
+    assert stats["overhead_estimate"] == pytest.approx(estimate / (1 + estimate), abs=1e-9)
 
 
 # ------------------------------------------------------------------ profiling
