@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ray_checkfreq.engine.measured import Sample, Stretch, measure
+from ray_checkfreq.engine.measured import PAUSE_FACTOR, Sample, Stretch, measure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,7 @@ class AdaptiveConfig:
     patience: int = 2
     max_raise_factor: float = 1.5
     max_lower_factor: float = 1.25
-    pause_factor: float = 5.0
+    pause_factor: float = PAUSE_FACTOR
     min_quiet_iters: int = 5
     k_max: int = 1_000_000
     confidence: float = 1.0

@@ -132,13 +132,16 @@ class CheckFreq:
         adaptive: bool | None = None,
         profile_iters: int | None = None,
         compress: bool | None = None,
+        max_lost_fraction: float | None | str = "default",
         config: CheckFreqConfig | None = None,
         seams: EngineSeams | None = None,
     ) -> None:
         """``seams`` is the Ray layer's hook (who plans, where snapshots go, who persists);
-        not for users."""
+        not for users. ``max_lost_fraction``: "default" keeps the config's (0.25); None
+        removes the lost-work bound."""
+        lost = {} if max_lost_fraction == "default" else {"max_lost_fraction": max_lost_fraction}
         self.config = _config_from(config, overhead=overhead, every=every, epoch_len=epoch_len, mtbf_s=mtbf_s,
-                                   adaptive=adaptive, profile_iters=profile_iters, compress=compress)
+                                   adaptive=adaptive, profile_iters=profile_iters, compress=compress, **lost)
         _check_stateful("data", data)
         for name, obj in (extra_state or {}).items():
             _check_stateful(f"extra_state[{name!r}]", obj)
@@ -646,6 +649,7 @@ class CheckFreq:
             "overhead_estimate": measured.share,
             "overhead_measured": measured.overhead,
             "overhead_measured_error": measured.error,
+            "overhead_lost_s": max(0.0, measured.lost_s),
             "overhead_model": self._modelled_overhead(),
             "k_history": [dict(entry) for entry in s.k_history],
             "checkpoints_by_cause": dict(s.checkpoints_by_cause),
@@ -780,7 +784,7 @@ def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:
 
 def _config_from(config: CheckFreqConfig | None, **args: Any) -> CheckFreqConfig:
     """The config, from ``config=`` or from the keyword arguments, never both."""
-    given = {name: value for name, value in args.items() if value is not None}
+    given = {name: value for name, value in args.items() if value is not None or name == "max_lost_fraction"}
     if config is not None:
         if given:
             names = ", ".join(f"{k}={v!r}" for k, v in given.items())

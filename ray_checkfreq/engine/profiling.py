@@ -201,8 +201,8 @@ def samples_disagree(samples: list[Measured], *, iter_s: float) -> bool:
     for name in ("interference_s", "persist_s"):
         values = [getattr(sample, name) for sample in samples]
         center = statistics.median(values)
-        tolerance = max((DISAGREE_RATIO - 1) * center, DISAGREE_ITERS * iter_s)
-        agreeing = sum(abs(value - center) <= tolerance for value in values)
+        agreeing = sum(center / DISAGREE_RATIO <= value <= center * DISAGREE_RATIO
+                       or abs(value - center) <= DISAGREE_ITERS * iter_s for value in values)
         if 2 * agreeing <= len(values):
             return True
     return False
