@@ -84,7 +84,8 @@ class AdaptiveRate:
         self.reference_iter_s = reference_iter_s
         self.last_overhead: float | None = None
         self.last_error: float | None = None
-        self.pooled_overhead: float | None = None  # what the last decision went by
+        self.pooled_overhead: float | None = None  # what the last decision went by, and its error
+        self.pooled_error: float | None = None
         self.history: list[tuple[float, int]] = []  # (window overhead, k after the window)
         self._recent: list[Stretch] = []  # the windows since k last changed
         self._reset_window()
@@ -131,7 +132,8 @@ class AdaptiveRate:
         if len(self._recent) < config.patience:
             return self.k
         pooled = sum(self._recent, Stretch())
-        self.pooled_overhead, margin = pooled.overhead, config.confidence * pooled.error
+        self.pooled_overhead, self.pooled_error = pooled.overhead, pooled.error
+        margin = config.confidence * pooled.error
         if pooled.overhead - margin > p and self.k < self.k_cap:
             factor = min(pooled.overhead / (config.raise_to * p), config.max_raise_factor)
             return self._bounded(max(self.k + 1, math.ceil(self.k * factor)))

@@ -316,7 +316,7 @@ class CheckFreq:
         elif self._adaptive is not None:
             new_k = self._adaptive.record(iter_s, stall_s, busy)
             if new_k is not None:
-                overhead, error = self._adaptive.last_overhead or 0.0, self._adaptive.last_error or 0.0
+                overhead, error = self._adaptive.pooled_overhead or 0.0, self._adaptive.pooled_error or 0.0
                 logger.info("adaptive rate: k %d -> %d (measured overhead %.2f%% +- %.2f)", self._k, new_k,
                             100 * overhead, 100 * error)
                 self._stats.note_k(self.iteration, new_k, f"measured overhead {overhead:.2%} +- {error:.2%}")
