@@ -5,23 +5,19 @@ a CPU hog arriving mid-run)."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
-import torch
+from sim_machine import Machine, sim_run
+from test_engine_profile import SlowStore, _loop, _model
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig
 from ray_checkfreq.engine.measured import as_share, measure
 from ray_checkfreq.engine.profiling import MAX_WARM_SAMPLES, ProfilingWindow
 from ray_checkfreq.storage import CheckpointStore
-from sim_machine import Machine, sim_run
-from test_engine_profile import SlowStore, _loop, _model
 
 P = 0.035
 
@@ -220,3 +216,30 @@ def test_a_cpu_hog_mid_run_raises_k_and_k_falls_after(tmp_path):
     cf.close()
     assert during > before, history
     assert cf.applied_k < peak[0], history
+
+
+# ------------------------------------------------------- the Ray-side policy
+def test_the_shared_policy_keeps_the_lost_work_bound_whatever_the_persists_need():
+    from ray_checkfreq.engine.adaptive import AdaptiveConfig
+    from ray_checkfreq.ray.shared_policy import IterationReport, PersistReport, SharedPolicy, SharedPolicyConfig
+
+    shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=AdaptiveConfig(window_iters=10, patience=1)))
+    assert shared.start(generation=1, world_size=1, k=4, k_floor=2, iter_s=0.1, k_cap=8) == 4
+    shared.record_persist(generation=1, report=PersistReport(step=4, seconds=5.0))  # needs k = 63
+    assert shared.k == 8 and shared.decision()["k_cap"] == 8
+    stalled = [IterationReport(iteration=i, iter_s=0.6 if i % 8 == 0 else 0.1, stall_s=0.5 if i % 8 == 0 else 0.0,
+                               busy=True) for i in range(1, 400)]
+    shared.record_iterations(generation=1, rank=0, reports=stalled)
+    assert shared.k == 8, "overhead above p does not lift k over the bound either"
+
+
+def test_the_exported_metrics_are_shares_of_wall_time():
+    from ray_checkfreq.ray.metrics import CheckFreqMetrics
+
+    metrics = CheckFreqMetrics(run="unit", rank=0, node_id="f" * 40, every_s=3600)
+    metrics.record_stats({"k": 5, "stall_s_total": 0.25, "overhead_estimate": as_share(1.5),
+                          "overhead_measured": 1.5, "overhead_measured_error": 0.25, "overhead_model": 0.036})
+    values = metrics.values()
+    assert values["overhead_ratio"] == pytest.approx(0.6) and 0 <= values["overhead_ratio"] <= 1
+    assert values["overhead_model_ratio"] == pytest.approx(0.036 / 1.036)
+    assert values["overhead_ratio_error"] == pytest.approx(0.25 / 2.5**2)

@@ -2,23 +2,24 @@
 
 Overhead is measured per window (at least ``window_iters`` iterations and
 ``min_checkpoints_per_window`` checkpoints) by ``measured.measure``: the window's stalls
-plus the median inflation of its busy iterations against its quiet ones (or against
+plus the inflation of its busy iterations against its quiet ones (or against
 ``reference_iter_s``, profiled without checkpoints, when too few were quiet), over the
 time training would have taken without them. That catches the cores a background
-persist takes from training on a CPU-only machine; medians keep a burst of unrelated
-noise from counting; a quiet reference from the same window follows drifts.
+persist takes from training on a CPU-only machine; a quiet reference from the same
+window follows drifts.
 
-k rises on the last ``patience`` to ``smooth_windows`` windows since it last changed,
-and falls only on ``smooth_windows`` of them, pooled (their lost seconds over their useful seconds): a rare slow persist counts for what
-it cost, spread over several windows, instead of moving k on its own. Above p by more than ``confidence`` standard
-errors, k grows to the value predicted to bring overhead to ``raise_to * p`` (at most
+k rises on the last ``patience`` to ``smooth_windows`` windows since it last changed, and
+falls only on ``smooth_windows`` of them, pooled (their lost seconds over their useful
+seconds): a rare slow persist counts for what it cost, spread over several windows,
+instead of moving k on its own. Above p by more than ``confidence`` standard errors, k
+grows to the value predicted to bring overhead to ``raise_to * p`` (at most
 ``max_raise_factor`` at once); below ``lower_below * p`` (by as much), k shrinks to the
-value predicted to bring it to ``lower_to * p`` (at most by ``max_lower_factor``), never below
-``k_floor``, never above ``k_cap`` (the lost-work bound). The dead band between
-``lower_below * p`` and p, the confidence margin and the median are the hysteresis that
-keeps noise alone from moving k.
-Pauses (an iteration whose time outside stalls is ``pause_factor`` x the quiet one:
-evaluation, a data stall) are left out.
+value predicted to bring it to ``lower_to * p`` (at most by ``max_lower_factor``), never
+below ``k_floor``, never above ``k_cap`` (the lost-work bound). The dead band between
+``lower_below * p`` and p, the confidence margin and the pooling are the hysteresis that
+keeps noise alone from swinging k (on the simulated noisy machine of
+tests/test_engine_measured.py: within 2x). Pauses (an iteration whose time outside
+stalls is ``pause_factor`` x the quiet one: evaluation, a data stall) are left out.
 """
 
 from __future__ import annotations

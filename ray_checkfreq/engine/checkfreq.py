@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
-from ray_checkfreq.engine.persist import PersistResult, PersistWorker
 from ray_checkfreq.engine.measured import RunOverhead
+from ray_checkfreq.engine.persist import PersistResult, PersistWorker
 from ray_checkfreq.engine.policy import (
     Decision,
     Profile,
@@ -773,11 +773,11 @@ def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:
         return {"peak_memory_bytes": peak, "total_memory_bytes": total}
     copies = [torch.empty_like(t) for t in tensors]
     torch.cuda.synchronize(device)
-    start = self._clock()
+    start = time.perf_counter()
     for src, dst in zip(tensors, copies):
         dst.copy_(src)
     torch.cuda.synchronize(device)
-    gpu_copy_s = self._clock() - start
+    gpu_copy_s = time.perf_counter() - start
     del copies
     return {"gpu_copy_s": gpu_copy_s, "peak_memory_bytes": peak, "total_memory_bytes": total}
 
