@@ -86,22 +86,32 @@ def test_the_exported_overhead_is_a_share_and_evaluation_pauses_are_not_overhead
 
 # ------------------------------------------------------------ lost work
 def test_the_lost_work_bound_caps_k_at_a_quarter_epoch_and_says_so(tmp_path, caplog):
-    costly = Machine(iter_s=0.01, persist_s=2.0, seed=0)  # p alone would ask for k in the hundreds
+    costly = Machine(persist_s=5.0, seed=0)  # 1.5 s per checkpoint: p alone asks for k ~ 430
     with caplog.at_level(logging.WARNING, logger="ray_checkfreq.engine"):
-        run = sim_run(tmp_path, costly, overhead=P, epoch_len=200)
+        run = sim_run(tmp_path, costly, overhead=P, epoch_len=800)
         run.run(3000)
     stats = run.cf.stats()
-    assert stats["k_cap"] == 50 and run.cf.decision.capped and run.cf.decision.k_uncapped > 50
-    assert max(k for k in run.ks if k is not None) <= 50
+    assert stats["k_cap"] == 200 and run.cf.decision.capped and run.cf.decision.k_uncapped > 200
+    assert max(k for k in run.ks if k is not None) <= 200
     assert "max_lost_fraction" in caplog.text and "every=" in caplog.text
-    assert CheckFreqConfig(epoch_len=200).k_cap() == 50 and CheckFreqConfig().k_cap() is None
-    assert CheckFreqConfig(epoch_len=200, max_lost_fraction=None).k_cap() is None
+
+
+def test_the_lost_work_bound_leaves_fast_iterations_to_p():
+    """Issue 30 item 3: 125-iteration epochs of ms iterations. A quarter epoch (31) would
+    cost many times p; the bound holds only above lost_work_floor_s (10 s) of work."""
+    assert CheckFreqConfig(epoch_len=125).k_cap(iter_s=0.001) == 10_000
+    assert CheckFreqConfig(epoch_len=125, lost_work_floor_s=0).k_cap(iter_s=0.001) == 31
+    assert CheckFreqConfig(epoch_len=4000).k_cap(iter_s=0.5) == 1000
+    assert CheckFreqConfig().k_cap(iter_s=0.5) is None
+    assert CheckFreqConfig(epoch_len=4000, max_lost_fraction=None).k_cap(iter_s=0.5) is None
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.5, True, "1/4"])
-def test_a_bad_lost_work_fraction_is_named(bad):
+def test_a_bad_lost_work_bound_is_named(bad):
     with pytest.raises(ValueError, match="max_lost_fraction"):
         CheckFreqConfig(max_lost_fraction=bad)
+    with pytest.raises(ValueError, match="lost_work_floor_s"):
+        CheckFreqConfig(lost_work_floor_s=-1.0)
 
 
 # ------------------------------------------------------- explainable count

@@ -68,7 +68,9 @@ class CheckFreqConfig:
 
     ``max_lost_fraction``: with ``epoch_len`` known and the policy choosing k, k is at most
     this fraction of an epoch (the work a failure can lose between checkpoints), even where
-    p would ask for more; None: no bound. ``every`` is not bounded.
+    p would ask for more, unless that is under ``lost_work_floor_s`` seconds of iterations
+    (fast iterations: losing that little costs less than checkpointing more often would).
+    None: no bound. ``every`` is not bounded.
     """
 
     overhead: float = 0.035
@@ -82,6 +84,7 @@ class CheckFreqConfig:
     reuse_profile: bool = True
     compress: bool | None = None
     max_lost_fraction: float | None = 0.25
+    lost_work_floor_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:
@@ -100,10 +103,12 @@ class CheckFreqConfig:
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):
             raise ValueError(f"max_lost_fraction={fraction!r}: must be None or a fraction of an epoch in (0, 1]")
+        if isinstance(self.lost_work_floor_s, bool) or not self.lost_work_floor_s >= 0:
+            raise ValueError(f"lost_work_floor_s={self.lost_work_floor_s!r}: must be seconds >= 0")
 
-    def k_cap(self) -> int | None:
-        """The lost-work bound on the policy's k (None: none)."""
-        return lost_work_cap(self.epoch_len, self.max_lost_fraction)
+    def k_cap(self, iter_s: float = 0.0) -> int | None:
+        """The lost-work bound on the policy's k at iterations of ``iter_s`` (None: none)."""
+        return lost_work_cap(self.epoch_len, self.max_lost_fraction, iter_s=iter_s, floor_s=self.lost_work_floor_s)
 
     def profiling_window(self) -> int:
         """min(1 % of an epoch, 50) iterations (at least 2, to time one iteration)."""
@@ -505,7 +510,8 @@ class CheckFreq:
             return
         self._stats.profiling_s += sum(sample.interference_s for sample in profiling.samples[measured.codec])
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
-        decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s, self.config.k_cap())
+        k_cap = self.config.k_cap(profiling.iter_s())
+        decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s, k_cap)
                      for codec, m in profiling.measured.items()}
         if (measured.codec == "raw" and self._codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
@@ -565,7 +571,7 @@ class CheckFreq:
 
     def _apply_profile(self, profile: Profile, *, first_checkpoint: int) -> None:
         self.profile = profile
-        k_cap = self.config.k_cap()
+        k_cap = self.config.k_cap(profile.iter_s)
         self.decision = choose_interval(profile, overhead=self.config.overhead, mtbf_s=self.config.mtbf_s,
                                         k_cap=k_cap)
         self._snapshotter.set_mode(self.decision.mode)
@@ -580,6 +586,12 @@ class CheckFreq:
                            self._k, self.decision.k_uncapped, 100 * self.config.overhead,
                            self.config.max_lost_fraction, self.config.epoch_len,
                            100 * self.decision.expected_overhead)
+        epoch_len = self.config.epoch_len
+        if epoch_len is not None and self._k > epoch_len and self.config.checkpoint_epoch_end:
+            logger.warning("k = %d is longer than an epoch (%d iterations): a failure resumes at the last epoch "
+                           "end, up to %.1f s of work (within lost_work_floor_s = %s s). Fix k with every= to "
+                           "checkpoint within epochs.", self._k, epoch_len, epoch_len * profile.iter_s,
+                           self.config.lost_work_floor_s)
         if self.config.adaptive and self._seams.local_adaptive:
             self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k_floor, overhead=self.config.overhead,
                                           config=self.config.adaptive_config, reference_iter_s=profile.iter_s,

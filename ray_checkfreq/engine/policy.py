@@ -18,8 +18,9 @@ and k is never below kcost = ceil(max(To, C) / (p * Ti)).
 With a mean time between failures, Young/Daly's interval sqrt(2 * C * MTBF) (C = the
 stall a checkpoint costs) also bounds k from above, unless p forbids it.
 
-A lost-work bound ``k_cap`` (say, a quarter of an epoch) bounds k from above whatever p
-asks: the user chose to lose at most that much work to a failure.
+A lost-work bound ``k_cap`` (by default a quarter of an epoch, but never under 10 s of
+iterations) bounds k from above whatever p asks: the user chose to lose at most that much
+work to a failure.
 """
 
 from __future__ import annotations
@@ -177,11 +178,17 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
     )
 
 
-def lost_work_cap(epoch_len: int | None, max_lost_fraction: float | None) -> int | None:
-    """The largest k that loses at most ``max_lost_fraction`` of an epoch (None: no bound)."""
+def lost_work_cap(epoch_len: int | None, max_lost_fraction: float | None, *, iter_s: float = 0.0,
+                  floor_s: float = 0.0) -> int | None:
+    """The largest k that loses at most ``max_lost_fraction`` of an epoch, but never below
+    ``floor_s`` seconds of iterations: losing less work than that costs less than
+    checkpointing more often would (None: no bound)."""
     if epoch_len is None or max_lost_fraction is None:
         return None
-    return max(1, math.floor(_round(max_lost_fraction * epoch_len)))
+    cap = max(1, math.floor(_round(max_lost_fraction * epoch_len)))
+    if iter_s > 0 and floor_s > 0:
+        cap = max(cap, math.ceil(_round(floor_s / iter_s)))
+    return cap
 
 
 def interval_overhead(profile: Profile, stall_s: float, k: int) -> float:
