@@ -57,6 +57,17 @@ def test_bench_overhead(tmp_path):
     assert len(figures["adaptive"]["overhead_per_phase"]) == 3
 
 
+def test_bench_overhead_noisy_prints_each_runs_k_history_and_figures(tmp_path, capsys):
+    out = tmp_path / "noisy.json"
+    assert main(["bench", "overhead", "--noisy", "--runs", "2", "--iterations", "300", "--width", "64",
+                 "--block", "20", "--epoch-len", "200", "--hog-procs", "1", "--hog-period-s", "0.5",
+                 "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["noisy"]["runs"]
+    assert len(runs) == 2 and all(r["k_history"] and r["checkpoints"] >= r["by_cause"]["profiling"] for r in runs)
+    printed = capsys.readouterr().out
+    assert "k history" in printed and "median wall-clock overhead" in printed
+
+
 def test_bench_overhead_names_a_bad_part(capsys):
     assert main(["bench", "overhead", "--parts", "firts"]) != 0
     assert "--parts 'firts'" in capsys.readouterr().err

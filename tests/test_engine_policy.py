@@ -123,7 +123,7 @@ def test_adaptive_rate_counts_persist_waits_as_pressure():
 def test_adaptive_rate_sees_iterations_slowed_by_background_work():
     # no stall at all, but every iteration takes 10 % longer than the profiled 1 s
     rate = AdaptiveRate(k=4, k_floor=4, overhead=0.035, reference_iter_s=1.0)
-    for _ in range(60):
+    for _ in range(100):  # two windows: k moves on two windows at least
         rate.record(1.10, 0.0)
     assert rate.k > 4 and rate.last_overhead == pytest.approx(0.10)
 
@@ -132,11 +132,11 @@ def test_adaptive_rate_takes_its_reference_from_quiet_iterations():
     # the loop got slower for reasons of its own (2 s, not the profiled 1 s): no pressure
     rate = AdaptiveRate(k=4, k_floor=4, overhead=0.035, reference_iter_s=1.0,
                         config=AdaptiveConfig(window_iters=60))
-    for i in range(60):
+    for i in range(120):
         rate.record(2.0, 0.0, busy=(i % 4 == 0))
     assert rate.k == 4 and rate.last_overhead == pytest.approx(0.0)
     # busy iterations 40 % slower than quiet ones: a quarter of the window -> 10 %
-    for i in range(60):
+    for i in range(120):
         rate.record(2.8 if i % 4 == 0 else 2.0, 0.0, busy=(i % 4 == 0))
     assert rate.k > 4 and rate.last_overhead == pytest.approx(0.10)
 

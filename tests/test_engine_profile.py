@@ -109,10 +109,14 @@ def test_the_overhead_estimate_matches_a_measured_ground_truth(tmp_path, every, 
     cf.restore()
     with_checkpoints = _loop(model, opt, cf, 75, sleep_s=0.01)
     truth = with_checkpoints / baseline - 1
-    estimate = cf.stats()["overhead_estimate"]
+    stats = cf.stats()
+    estimate = stats["overhead_measured"]
     cf.close()
     assert abs(estimate - truth) <= 0.15 + 0.35 * truth, f"estimate {estimate:.3f}, measured {truth:.3f}"
     assert truth > 0.1
+    # the exported figure is the share of wall time: in [0, 1], the same measurement
+    assert 0 <= stats["overhead_estimate"] <= 1
+    assert stats["overhead_estimate"] == pytest.approx(estimate / (1 + estimate), abs=1e-9)
 
 
 # ------------------------------------------------------------------ profiling
@@ -135,8 +139,10 @@ def test_profiling_measures_what_a_persist_takes_from_training(tmp_path):
     assert spinning.decision.overhead_s < 0.005, "the copy is hidden: the paper's To is ~0"
     assert spinning.decision.cost_s > max(0.1, 2 * sleeping.decision.cost_s)
     assert spinning.decision.k == spinning.decision.k_cost > spinning.decision.k_persist
-    # profiling_s sums the three warm samples; the decision took their median (two are >= it)
-    assert spinning.stats()["profiling_s"] >= 2 * spinning.decision.cost_s
+    # profiling_s sums the warm samples; the decision took their median (two are >= it), or
+    # where they disagreed the largest
+    disagreed = spinning.stats()["profiling"]["disagreed"]["raw"]
+    assert spinning.stats()["profiling_s"] >= (1 if disagreed else 2) * spinning.decision.cost_s
 
 
 def test_profiling_commits_its_checkpoint_and_decides_raw_on_a_fast_disk(tmp_path):

@@ -1,18 +1,25 @@
 """Adaptive checkpoint rate: raise k under pressure, lower it again when pressure goes.
 
-Overhead is measured per window (at least ``window_iters`` iterations and three
-checkpoints) as stall seconds over the seconds training would have taken without them.
-It is also measured as the window's iteration-time inflation against its quiet
-iterations (those with no checkpoint work in flight), or against ``reference_iter_s``
-(profiled without checkpoints) when too few were quiet; the larger figure counts. That
-catches the cores a background persist takes from training on a CPU-only machine, and
-a quiet reference from the same window follows drifts in the iteration time.
-Above p, k grows to the value predicted to bring overhead to ``raise_to * p`` (at most
-doubling per window); below ``lower_below * p`` for ``patience`` windows in a row, k
-shrinks to the value predicted to bring it to ``lower_to * p`` (at most halving), never
-below ``k_floor``. Pauses (an iteration whose time outside checkpoint stalls is
-``pause_factor`` times the window's median: evaluation, a data stall) are left out. The dead band between
-``lower_below * p`` and p is the hysteresis that keeps k from oscillating.
+Overhead is measured per window (at least ``window_iters`` iterations and
+``min_checkpoints_per_window`` checkpoints) by ``measured.measure``: the window's stalls
+plus the inflation of its busy iterations against its quiet ones (or against
+``reference_iter_s``, profiled without checkpoints, when too few were quiet), over the
+time training would have taken without them. That catches the cores a background
+persist takes from training on a CPU-only machine; a quiet reference from the same
+window follows drifts.
+
+k rises on the last ``patience`` to ``smooth_windows`` windows since it last changed, and
+falls only on ``smooth_windows`` of them, pooled (their lost seconds over their useful
+seconds): a rare slow persist counts for what it cost, spread over several windows,
+instead of moving k on its own. Above p by more than ``confidence`` standard errors, k
+grows to the value predicted to bring overhead to ``raise_to * p`` (at most
+``max_raise_factor`` at once); below ``lower_below * p`` (by as much), k shrinks to the
+value predicted to bring it to ``lower_to * p`` (at most by ``max_lower_factor``), never
+below ``k_floor``, never above ``k_cap`` (the lost-work bound). The dead band between
+``lower_below * p`` and p, the confidence margin and the pooling are the hysteresis that
+keeps noise alone from swinging k (on the simulated noisy machine of
+tests/test_engine_measured.py: within 2x). Pauses (an iteration whose time outside
+stalls is ``pause_factor`` x the quiet one: evaluation, a data stall) are left out.
 """
 
 from __future__ import annotations
@@ -20,62 +27,87 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ray_checkfreq.engine.measured import PAUSE_FACTOR, Sample, Stretch, measure
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig:
     window_iters: int = 50
-    min_checkpoints_per_window: int = 2
+    min_checkpoints_per_window: int = 3
     raise_to: float = 0.8
     lower_below: float = 0.5
     lower_to: float = 0.7
     patience: int = 2
-    max_raise_factor: float = 2.0
-    max_lower_factor: float = 2.0
-    pause_factor: float = 5.0
+    max_raise_factor: float = 1.5
+    max_lower_factor: float = 1.25
+    pause_factor: float = PAUSE_FACTOR
     min_quiet_iters: int = 5
     k_max: int = 1_000_000
+    confidence: float = 1.0
+    smooth_windows: int = 3
 
     def __post_init__(self) -> None:
         if self.window_iters < 1 or self.min_checkpoints_per_window < 1 or self.patience < 1:
             raise ValueError("window_iters, min_checkpoints_per_window and patience must be >= 1")
+        if self.smooth_windows < self.patience:
+            raise ValueError(f"smooth_windows={self.smooth_windows}: must be >= patience ({self.patience})")
         if not 0 < self.lower_below < self.lower_to < 1 or not 0 < self.raise_to <= 1:
             raise ValueError(
                 f"need 0 < lower_below ({self.lower_below}) < lower_to ({self.lower_to}) < 1 "
                 f"and 0 < raise_to ({self.raise_to}) <= 1"
             )
+        if not self.max_raise_factor > 1 or not self.max_lower_factor > 1:
+            raise ValueError(f"max_raise_factor={self.max_raise_factor} and max_lower_factor="
+                             f"{self.max_lower_factor} must be > 1")
+        if self.confidence < 0 or self.k_max < 1 or not self.pause_factor > 1:
+            raise ValueError(f"need confidence ({self.confidence}) >= 0, k_max ({self.k_max}) >= 1, "
+                             f"pause_factor ({self.pause_factor}) > 1")
 
 
 class AdaptiveRate:
-    """Feed it every iteration's time and stall; it returns a new k when k should change."""
+    """Feed it every iteration's time and stall; it returns a new k when k should change.
+
+    ``k_cap``: the largest k allowed (the lost-work bound; None: ``config.k_max``). It wins
+    over the floor and over p.
+    """
 
     def __init__(self, *, k: int, k_floor: int, overhead: float, config: AdaptiveConfig | None = None,
-                 reference_iter_s: float | None = None) -> None:
+                 reference_iter_s: float | None = None, k_cap: int | None = None) -> None:
         if k < 1 or k_floor < 1:
             raise ValueError(f"k={k} and k_floor={k_floor} must be >= 1")
-        self.k = max(k, k_floor)
-        self.k_floor = k_floor
-        self.overhead = overhead
+        if k_cap is not None and k_cap < 1:
+            raise ValueError(f"k_cap={k_cap}: must be >= 1")
         self.config = config or AdaptiveConfig()
+        self.k_cap = min(k_cap, self.config.k_max) if k_cap is not None else self.config.k_max
+        self.k_floor = min(k_floor, self.k_cap)
+        self.k = self._bounded(k)
+        self.overhead = overhead
         self.reference_iter_s = reference_iter_s
         self.last_overhead: float | None = None
+        self.last_error: float | None = None
+        self.pooled_overhead: float | None = None  # what the last decision went by, and its error
+        self.pooled_error: float | None = None
         self.history: list[tuple[float, int]] = []  # (window overhead, k after the window)
-        self._quiet_windows = 0
+        self._recent: list[Stretch] = []  # the windows since k last changed
         self._reset_window()
+
+    def _bounded(self, k: int) -> int:
+        return min(self.k_cap, max(k, self.k_floor))
 
     def restart_at(self, k: int, *, k_floor: int | None = None) -> None:
         """k (and its floor) set from outside; the window so far measured the old k."""
         if k_floor is not None:
             if k_floor < 1:
                 raise ValueError(f"k_floor={k_floor}: must be >= 1")
-            self.k_floor = k_floor
+            self.k_floor = min(k_floor, self.k_cap)
         if k < 1:
             raise ValueError(f"k={k}: must be >= 1")
-        self.k = max(k, self.k_floor)
-        self._quiet_windows = 0
+        self.k = self._bounded(k)
+        self._recent = []
         self._reset_window()
 
     def _reset_window(self) -> None:
-        self._samples: list[tuple[float, float, bool]] = []
+        self._samples: list[Sample] = []
 
     def record(self, iter_s: float, stall_s: float, busy: bool = True) -> int | None:
         """One iteration: its wall time, its stall, and whether checkpoint work was in flight."""
@@ -83,50 +115,31 @@ class AdaptiveRate:
         needed = max(self.config.window_iters, self.config.min_checkpoints_per_window * self.k)
         if len(self._samples) < needed:
             return None
-        self._summarise_window()
-        useful_s = max(self._iter_s - self._stall_s, 1e-12)
-        measured = self._stall_s / useful_s
-        reference = self._reference_iter_s()
-        if reference:
-            expected_s = self._iters * reference
-            measured = max(measured, (self._iter_s - expected_s) / expected_s)
+        window = measure(self._samples, fallback_ref_s=self.reference_iter_s,
+                         pause_factor=self.config.pause_factor, min_quiet=self.config.min_quiet_iters)
         self._reset_window()
-        self.last_overhead = measured
-        new_k = self._next_k(measured)
-        self.history.append((measured, new_k))
+        self.last_overhead, self.last_error = window.overhead, window.error
+        self._recent = (self._recent + [window])[-self.config.smooth_windows:]
+        new_k = self._next_k()
+        self.history.append((window.overhead, new_k))
         if new_k == self.k:
             return None
         self.k = new_k
+        self._recent = []
         return new_k
 
-    def _summarise_window(self) -> None:
-        """Totals over the window, leaving out pauses: iterations whose time outside
-        checkpoint stalls is ``pause_factor`` times the median (evaluation, a data stall)."""
-        work = sorted(i - s for i, s, _ in self._samples)
-        limit = self.config.pause_factor * work[len(work) // 2]
-        kept = [(i, s, b) for i, s, b in self._samples if i - s <= limit]
-        self._iters = len(kept)
-        self._iter_s = sum(i for i, _, _ in kept)
-        self._stall_s = sum(s for _, s, _ in kept)
-        self._quiet = [i for i, _, b in kept if not b]
-
-    def _reference_iter_s(self) -> float | None:
-        if len(self._quiet) >= self.config.min_quiet_iters:
-            return sum(self._quiet) / len(self._quiet)
-        return self.reference_iter_s
-
-    def _next_k(self, measured: float) -> int:
-        p = self.overhead
-        if measured > p:
-            self._quiet_windows = 0
-            factor = min(measured / (self.config.raise_to * p), self.config.max_raise_factor)
-            return min(self.config.k_max, max(self.k + 1, math.ceil(self.k * factor)))
-        if measured < self.config.lower_below * p and self.k > self.k_floor:
-            self._quiet_windows += 1
-            if self._quiet_windows >= self.config.patience:
-                self._quiet_windows = 0
-                factor = max(measured / (self.config.lower_to * p), 1 / self.config.max_lower_factor)
-                return max(self.k_floor, min(self.k - 1, math.ceil(self.k * factor)))
+    def _next_k(self) -> int:
+        p, config = self.overhead, self.config
+        if len(self._recent) < config.patience:
             return self.k
-        self._quiet_windows = 0
+        pooled = sum(self._recent, Stretch())
+        self.pooled_overhead, self.pooled_error = pooled.overhead, pooled.error
+        margin = config.confidence * pooled.error
+        if pooled.overhead - margin > p and self.k < self.k_cap:
+            factor = min(pooled.overhead / (config.raise_to * p), config.max_raise_factor)
+            return self._bounded(max(self.k + 1, math.ceil(self.k * factor)))
+        lowering_seen = len(self._recent) >= config.smooth_windows  # falling waits longer than rising
+        if lowering_seen and pooled.overhead + margin < config.lower_below * p and self.k > self.k_floor:
+            factor = max(pooled.overhead / (config.lower_to * p), 1 / config.max_lower_factor)
+            return self._bounded(min(self.k - 1, math.ceil(self.k * factor)))
         return self.k

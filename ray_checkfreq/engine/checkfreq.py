@@ -36,8 +36,17 @@ from typing import Any
 import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
+from ray_checkfreq.engine.measured import RunOverhead
 from ray_checkfreq.engine.persist import PersistResult, PersistWorker
-from ray_checkfreq.engine.policy import Decision, Profile, choose_codec, choose_interval, compression_could_pay
+from ray_checkfreq.engine.policy import (
+    Decision,
+    Profile,
+    choose_codec,
+    choose_interval,
+    compression_could_pay,
+    interval_overhead,
+    lost_work_cap,
+)
 from ray_checkfreq.engine.profiling import (
     WARMUP_ITERS,
     CodecTrial,
@@ -56,6 +65,8 @@ logger = logging.getLogger("ray_checkfreq.engine")
 PROFILE_NAME = "checkfreq-profile.json"
 _ASYNC_PARTS = {"model_params", "optimizer"}
 _Planned = tuple[bool, str]  # a planned checkpoint: (epoch boundary, codec)
+# Why the planner asked for a checkpoint: its k, an epoch end, profiling's measurements, a stop.
+CHECKPOINT_CAUSES = ("interval", "epoch_end", "profiling", "stop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +75,12 @@ class CheckFreqConfig:
 
     ``compress``: None measures whether the codec pays (with ``every`` too); True or
     False forces it.
+
+    ``max_lost_fraction``: with ``epoch_len`` known and the policy choosing k, k is at most
+    this fraction of an epoch (the work a failure can lose between checkpoints), even where
+    p would ask for more, unless that is under ``lost_work_floor_s`` seconds of iterations
+    (fast iterations: losing that little costs less than checkpointing more often would).
+    None: no bound. ``every`` is not bounded.
     """
 
     overhead: float = 0.035
@@ -76,6 +93,8 @@ class CheckFreqConfig:
     checkpoint_epoch_end: bool = True
     reuse_profile: bool = True
     compress: bool | None = None
+    max_lost_fraction: float | None = 0.25
+    lost_work_floor_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:
@@ -90,6 +109,16 @@ class CheckFreqConfig:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: must be > 0 seconds")
         if self.compress not in (None, True, False):
             raise ValueError(f"compress={self.compress!r}: must be None (measure), True or False")
+        fraction = self.max_lost_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"max_lost_fraction={fraction!r}: must be None or a fraction of an epoch in (0, 1]")
+        if isinstance(self.lost_work_floor_s, bool) or not self.lost_work_floor_s >= 0:
+            raise ValueError(f"lost_work_floor_s={self.lost_work_floor_s!r}: must be seconds >= 0")
+
+    def k_cap(self, iter_s: float = 0.0) -> int | None:
+        """The lost-work bound on the policy's k at iterations of ``iter_s`` (None: none)."""
+        return lost_work_cap(self.epoch_len, self.max_lost_fraction, iter_s=iter_s, floor_s=self.lost_work_floor_s)
 
     def profiling_window(self) -> int:
         """min(1 % of an epoch, 50) iterations (at least 2, to time one iteration)."""
@@ -118,13 +147,16 @@ class CheckFreq:
         adaptive: bool | None = None,
         profile_iters: int | None = None,
         compress: bool | None = None,
+        max_lost_fraction: float | None | str = "default",
         config: CheckFreqConfig | None = None,
         seams: EngineSeams | None = None,
     ) -> None:
         """``seams`` is the Ray layer's hook (who plans, where snapshots go, who persists);
-        not for users."""
+        not for users. ``max_lost_fraction``: "default" keeps the config's (0.25); None
+        removes the lost-work bound."""
+        lost = {} if max_lost_fraction == "default" else {"max_lost_fraction": max_lost_fraction}
         self.config = _config_from(config, overhead=overhead, every=every, epoch_len=epoch_len, mtbf_s=mtbf_s,
-                                   adaptive=adaptive, profile_iters=profile_iters, compress=compress)
+                                   adaptive=adaptive, profile_iters=profile_iters, compress=compress, **lost)
         _check_stateful("data", data)
         for name, obj in (extra_state or {}).items():
             _check_stateful(f"extra_state[{name!r}]", obj)
@@ -141,6 +173,7 @@ class CheckFreq:
         self.stop_at: int | None = None
         self._stop_planned = False
         self._seams = seams if seams is not None else EngineSeams()
+        self._clock = self._seams.clock
         self._decisions = self._seams.decisions
         self._observer = self._seams.observe
         self._snapshotter = Snapshotter("cpu", host_memory=self._seams.host_memory)
@@ -284,7 +317,7 @@ class CheckFreq:
             if not self._begun:
                 self._begin(self.iteration)  # restore() was not called: start from 0
             self._use_cached_profile()
-        now = time.perf_counter()
+        now = self._clock()
         # Counted before anything can raise: the optimizer has stepped, so has the iteration.
         self.iteration += 1
         busy = self._busy_after_step or self._persist.busy  # persist ran during some of it
@@ -315,8 +348,10 @@ class CheckFreq:
         elif self._adaptive is not None:
             new_k = self._adaptive.record(iter_s, stall_s, busy)
             if new_k is not None:
-                logger.info("adaptive rate: k %d -> %d (overhead %.2f%%)", self._k, new_k,
-                            100 * (self._adaptive.last_overhead or 0))
+                overhead, error = self._adaptive.pooled_overhead or 0.0, self._adaptive.pooled_error or 0.0
+                logger.info("adaptive rate: k %d -> %d (measured overhead %.2f%% +- %.2f)", self._k, new_k,
+                            100 * overhead, 100 * error)
+                self._stats.note_k(self.iteration, new_k, f"measured overhead {overhead:.2%} +- {error:.2%}")
                 self._k = new_k  # recorded in k_changes when the action carrying it is applied
 
     def _since_start(self) -> int:
@@ -342,6 +377,7 @@ class CheckFreq:
             return None
         if self.stop_at is not None and at >= self.stop_at:
             self._stop_planned = True
+            self._stats.count_checkpoint("stop")
             epoch_boundary, codec = self._plan_checkpoint(at, self._is_epoch_end(at))
             return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self._k,
                           stop=True)
@@ -358,6 +394,7 @@ class CheckFreq:
         if self._next_checkpoint is None:
             return None
         if at >= self._next_checkpoint or self._epoch_end_checkpoint(at):
+            self._stats.count_checkpoint("interval" if at >= self._next_checkpoint else "epoch_end")
             return self._plan_checkpoint(at, self._is_epoch_end(at))
         return None
 
@@ -405,7 +442,7 @@ class CheckFreq:
         self._k_applied = k
 
     def _checkpoint(self, action: Action) -> None:
-        started = time.perf_counter()
+        started = self._clock()
         rng = self._seams.rng_state()  # on every rank, once per checkpoint: it may be a collective
         # A stop blocks the run in this step(): no next iteration completes that checkpoint.
         stays_open = self._sees_next_iteration and not action.stop
@@ -423,7 +460,7 @@ class CheckFreq:
         self._persist.submit(snapshot, **({} if action.codec is None else {"codec": action.codec}))
         self._stats.checkpoints_started += 1
         self._stats.persist_wait_s += waited
-        spent = time.perf_counter() - started + early_wait
+        spent = self._clock() - started + early_wait
         self._pending_stall += spent
         self._stats.add_checkpoint_stall(spent)
 
@@ -518,18 +555,18 @@ class CheckFreq:
         self._check_lr_unchanged()
         handle = self._fence_handle
         if handle is not None:
-            start = time.perf_counter()
+            start = self._clock()
             handle.fence()
-            waited = time.perf_counter() - start
+            waited = self._clock() - start
             self._pending_stall += waited
             self._stats.fence_wait_s += waited
             self._stats.add_checkpoint_stall(waited, same_checkpoint=True)
             self._fence_handle = None
-        self._update_started = time.perf_counter()
+        self._update_started = self._clock()
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._profiling is not None and not self._profiling.measuring:
-            self._profiling.updates.append(time.perf_counter() - self._update_started)
+            self._profiling.updates.append(self._clock() - self._update_started)
 
     # -------------------------------------------------------------- profiling
     def _advance_profiling(self, at: int) -> _Planned | None:
@@ -550,6 +587,7 @@ class CheckFreq:
             return self._start_measuring(at, profiling.next_codec or self._codec_trial.decided or "raw")
         if not self._epoch_end_checkpoint(at):
             return None
+        self._stats.count_checkpoint("epoch_end")
         return self._plan_checkpoint(at, True, codec=self._profiling_codec())
 
     def _profiling_codec(self) -> str | None:
@@ -571,7 +609,8 @@ class CheckFreq:
             return
         self._stats.profiling_s += sum(sample.interference_s for sample in profiling.samples[measured.codec])
         gpu = _gpu_measurements(self._live_tensors(), measured.size_bytes)
-        decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s)
+        k_cap = self.config.k_cap(profiling.iter_s())
+        decisions = {codec: profiling.decide(m, gpu, self.config.overhead, self.config.mtbf_s, k_cap)
                      for codec, m in profiling.measured.items()}
         if (measured.codec == "raw" and self._codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
@@ -590,6 +629,8 @@ class CheckFreq:
         self._measured_result = None
         self._last_checkpoint_iteration = at  # before the persist can report
         self._measure_from = at
+        self._profiling.checkpoints.append(at)
+        self._stats.count_checkpoint("profiling")
         return self._plan_checkpoint(at, self._is_epoch_end(at), codec=codec)
 
     @property
@@ -620,6 +661,7 @@ class CheckFreq:
         if self._next_checkpoint is not None:
             self._next_checkpoint += k - self._k
         self._k = k
+        self._stats.note_k(self.iteration, k, "shared policy")
         if self._adaptive is not None:
             self._adaptive.restart_at(k)
 
@@ -628,13 +670,31 @@ class CheckFreq:
 
     def _apply_profile(self, profile: Profile, *, first_checkpoint: int) -> None:
         self.profile = profile
-        self.decision = choose_interval(profile, overhead=self.config.overhead, mtbf_s=self.config.mtbf_s)
+        k_cap = self.config.k_cap(profile.iter_s)
+        self.decision = choose_interval(profile, overhead=self.config.overhead, mtbf_s=self.config.mtbf_s,
+                                        k_cap=k_cap)
         self._snapshotter.set_mode(self.decision.mode)
         self._k = self.decision.k
         self._next_checkpoint = first_checkpoint + self._k
+        self._stats.run_overhead.fallback_ref_s = self._stats.run_overhead.fallback_ref_s or profile.iter_s
+        self._stats.note_k(self.iteration, self._k, "profile")
+        if self.decision.capped:
+            logger.warning("k = %d, not the %d that p = %.1f%% asks for: at most max_lost_fraction = %s of a "
+                           "%s-iteration epoch may be lost to a failure; the model expects %.1f%% overhead "
+                           "here. Raise max_lost_fraction (None: no bound) to keep p, or fix k with every=.",
+                           self._k, self.decision.k_uncapped, 100 * self.config.overhead,
+                           self.config.max_lost_fraction, self.config.epoch_len,
+                           100 * self.decision.expected_overhead)
+        epoch_len = self.config.epoch_len
+        if epoch_len is not None and self._k > epoch_len and self.config.checkpoint_epoch_end:
+            logger.warning("k = %d is longer than an epoch (%d iterations): a failure resumes at the last epoch "
+                           "end, up to %.1f s of work (within lost_work_floor_s = %s s). Fix k with every= to "
+                           "checkpoint within epochs.", self._k, epoch_len, epoch_len * profile.iter_s,
+                           self.config.lost_work_floor_s)
         if self.config.adaptive and self._seams.local_adaptive:
             self._adaptive = AdaptiveRate(k=self._k, k_floor=self.decision.k_floor, overhead=self.config.overhead,
-                                          config=self.config.adaptive_config, reference_iter_s=profile.iter_s)
+                                          config=self.config.adaptive_config, reference_iter_s=profile.iter_s,
+                                          k_cap=k_cap)
         logger.info("policy: mode=%s k=%d (kmin=%d, persist needs %d, measured cost %.0f ms needs %d), %s",
                     self.decision.mode, self._k, self.decision.k_min, self.decision.k_persist,
                     1e3 * self.decision.cost_s, self.decision.k_cost,
@@ -686,8 +746,10 @@ class CheckFreq:
         self.close()
 
     def stats(self) -> dict:
-        """Mode, k, checkpoints, stall, overhead estimate, bytes written, compression, persist time."""
+        """Mode, k, checkpoints, stall, overhead (measured and modelled), bytes written,
+        compression, persist time, and what explains the number of checkpoints."""
         s = self._stats
+        measured = s.run_overhead.current()
         return {
             "mode": self.decision.mode if self.decision else self._snapshotter.mode,
             "k": self._k_applied,
@@ -700,7 +762,15 @@ class CheckFreq:
             "persist_wait_s": s.persist_wait_s,
             "profiling_s": s.profiling_s,
             "profiling": s.profiling,
-            "overhead_estimate": s.overhead_estimate(),
+            "overhead_estimate": measured.share,
+            "overhead_measured": measured.overhead,
+            "overhead_measured_error": measured.error,
+            "overhead_lost_s": max(0.0, measured.lost_s),
+            "overhead_model": self._modelled_overhead(),
+            "k_history": [dict(entry) for entry in s.k_history],
+            "checkpoints_by_cause": dict(s.checkpoints_by_cause),
+            "profiling_checkpoints": list(s.profiling["checkpoints"]) if s.profiling else None,
+            "k_cap": self.decision.k_cap if self.decision else None,
             "bytes_written": s.stored_bytes,
             "compression_ratio": (s.stored_bytes / s.raw_bytes) if s.raw_bytes else None,
             "compress": self._compress_now(),
@@ -709,6 +779,12 @@ class CheckFreq:
             "expected_lost_s": self.decision.expected_lost_s if self.decision else None,
             "young_daly_k": self.decision.young_daly_k if self.decision else None,
         }
+
+    def _modelled_overhead(self) -> float | None:
+        """The policy's model of the overhead at the k in force (None before it decided)."""
+        if self.profile is None or self.decision is None or self._k is None:
+            return None
+        return interval_overhead(self.profile, self.decision.overhead_s, self._k)
 
     def _compress_now(self) -> bool | None:
         """Whether checkpoints are compressed; None while that is still being measured."""
@@ -755,10 +831,20 @@ class _Stats:
     last_persist_s: float | None = None
     k_changes: list = field(default_factory=list)
     checkpoint_stalls: deque = field(default_factory=lambda: deque(maxlen=1024))
+    run_overhead: RunOverhead = field(default_factory=RunOverhead)  # the measured overhead, since warm-up
+    k_history: list = field(default_factory=list)  # the planner's k: {"iteration", "k", "reason"} per change
+    checkpoints_by_cause: dict = field(default_factory=lambda: dict.fromkeys(CHECKPOINT_CAUSES, 0))
+
+    def note_k(self, iteration: int, k: int, reason: str) -> None:
+        self.k_history.append({"iteration": iteration, "k": k, "reason": reason})
+
+    def count_checkpoint(self, cause: str) -> None:
+        self.checkpoints_by_cause[cause] += 1
 
     def record_iteration(self, iter_s: float, stall_s: float, busy: bool, *, warm: bool) -> None:
         if not warm:
             return
+        self.run_overhead.record(iter_s, stall_s, busy)
         self.iterations += 1
         self.iter_time_s += iter_s
         self.iter_stall_s += stall_s
@@ -778,22 +864,6 @@ class _Stats:
         if self.quiet_iterations >= 5:
             return self.quiet_time_s / self.quiet_iterations
         return self.iter_time_s / self.iterations if self.iterations else 0.0
-
-    def overhead_estimate(self) -> float:
-        """Time lost to checkpoints over the time without them, since warm-up.
-
-        The stall (waits in step() and at the fence) over the rest; where quiet iterations
-        give a reference, also the inflation of all iterations against it (the cores and
-        memory bandwidth persist took from training); the larger counts.
-        """
-        useful = self.iter_time_s - self.iter_stall_s
-        if useful <= 0:
-            return 0.0
-        estimate = self.iter_stall_s / useful
-        if self.quiet_iterations >= 5 and self.quiet_iterations < self.iterations:
-            expected = self.iterations * self.quiet_time_s / self.quiet_iterations
-            estimate = max(estimate, self.iter_time_s / expected - 1)
-        return estimate
 
     def record_persist(self, result: PersistResult) -> None:
         self.checkpoints_committed += 1
@@ -852,7 +922,7 @@ def _gpu_measurements(live: list[torch.Tensor], size_bytes: int) -> dict:
 
 def _config_from(config: CheckFreqConfig | None, **args: Any) -> CheckFreqConfig:
     """The config, from ``config=`` or from the keyword arguments, never both."""
-    given = {name: value for name, value in args.items() if value is not None}
+    given = {name: value for name, value in args.items() if value is not None or name == "max_lost_fraction"}
     if config is not None:
         if given:
             names = ", ".join(f"{k}={v!r}" for k, v in given.items())

@@ -17,6 +17,10 @@ and k is never below kcost = ceil(max(To, C) / (p * Ti)).
 
 With a mean time between failures, Young/Daly's interval sqrt(2 * C * MTBF) (C = the
 stall a checkpoint costs) also bounds k from above, unless p forbids it.
+
+A lost-work bound ``k_cap`` (by default a quarter of an epoch, but never under 10 s of
+iterations) bounds k from above whatever p asks: the user chose to lose at most that much
+work to a failure.
 """
 
 from __future__ import annotations
@@ -81,12 +85,20 @@ class Decision:
     expected_lost_s: float
     cost_s: float = 0.0  # max(To, measured interference): what one checkpoint costs training
     k_cost: int = 1
+    k_cap: int | None = None  # the lost-work bound, if any
+    k_uncapped: int | None = None  # the k p asked for, where the lost-work bound cut it
+
+    @property
+    def capped(self) -> bool:
+        """Whether the lost-work bound holds k below what p asks for."""
+        return self.k_uncapped is not None
 
     @property
     def k_floor(self) -> int:
         """The paper's k (persist done in time, To within p), without measured interference:
         the adaptive rate may come down to it when the interference goes away."""
-        return max(self.k_persist, self.k_min)
+        floor = max(self.k_persist, self.k_min)
+        return floor if self.k_cap is None else min(floor, self.k_cap)
 
 
 def choose_mode(profile: Profile) -> str:
@@ -129,9 +141,12 @@ def checkpoint_cost_s(profile: Profile, stall_s: float) -> float:
     return max(stall_s, profile.interference_s)
 
 
-def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float | None = None) -> Decision:
+def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float | None = None,
+                    k_cap: int | None = None) -> Decision:
     """CheckFreq's k, never below what the measured cost allows, optionally tightened
-    towards Young/Daly's interval."""
+    towards Young/Daly's interval, never above ``k_cap`` (the lost-work bound)."""
+    if k_cap is not None and k_cap < 1:
+        raise ValueError(f"k_cap={k_cap!r}: must be >= 1")
     mode = choose_mode(profile)
     stall = critical_overhead_s(profile, mode)
     cost = checkpoint_cost_s(profile, stall)
@@ -144,6 +159,9 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
         young_daly_k = max(1, math.floor(young_daly_interval_s(cost, mtbf_s) / profile.iter_s))
         allowed = smallest_interval_within(profile, stall, overhead)
         k = max(allowed, min(k, young_daly_k))
+    k_uncapped = None
+    if k_cap is not None and k > k_cap:
+        k, k_uncapped = k_cap, k
     return Decision(
         mode=mode,
         k=k,
@@ -155,7 +173,22 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
         expected_lost_s=k * profile.iter_s,
         cost_s=cost,
         k_cost=k_cost,
+        k_cap=k_cap,
+        k_uncapped=k_uncapped,
     )
+
+
+def lost_work_cap(epoch_len: int | None, max_lost_fraction: float | None, *, iter_s: float = 0.0,
+                  floor_s: float = 0.0) -> int | None:
+    """The largest k that loses at most ``max_lost_fraction`` of an epoch, but never below
+    ``floor_s`` seconds of iterations: losing less work than that costs less than
+    checkpointing more often would (None: no bound)."""
+    if epoch_len is None or max_lost_fraction is None:
+        return None
+    cap = max(1, math.floor(_round(max_lost_fraction * epoch_len)))
+    if iter_s > 0 and floor_s > 0:
+        cap = max(cap, math.ceil(_round(floor_s / iter_s)))
+    return cap
 
 
 def interval_overhead(profile: Profile, stall_s: float, k: int) -> float:

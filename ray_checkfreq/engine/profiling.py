@@ -6,7 +6,13 @@ files, then ``WARM_SAMPLES`` warm ones), each timed over the training iterations
 beside its persist (at least ``MEASURE_ITERS``). Before each warm checkpoint, ``REFERENCE_ITERS``
 fresh quiet iterations are its reference: what the busy iterations lost against them,
 stalls included, is the checkpoint's cost as training feels it; the policy takes the
-median over the warm checkpoints.
+median over the warm checkpoints. Where they disagree wildly (a noisy machine: no
+majority of them within 2x of their median cost or persist time, or half an
+iteration), profiling measures more of them, up to ``MAX_WARM_SAMPLES``; if they still
+disagree, it takes the largest of each figure: the larger, conservative k.
+
+So profiling takes, per codec it measures, 1 cold + 3 to 5 warm checkpoints (4 to 6);
+a second codec (compression, only where it could pay) doubles that.
 
 Compression trial (``every=k``): the first checkpoint is written raw; compression is
 tried on the next one only where the raw persist outlasted the interval.
@@ -53,6 +59,9 @@ REFERENCE_WAIT_ITERS = 2 * REFERENCE_ITERS
 # 200 ms iterations) single samples put the first k anywhere from 6 to 68. The median of
 # three is robust to one outlier.
 WARM_SAMPLES = 3
+MAX_WARM_SAMPLES = 5
+DISAGREE_RATIO = 2.0  # a sample agrees with the median within this factor ...
+DISAGREE_ITERS = 0.5  # ... or within this many iterations
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class ProfilingWindow:
     measured: dict[str, Measured] = field(default_factory=dict)
     samples: dict[str, list[Measured]] = field(default_factory=dict)  # warm ones, per codec
     cold: set[str] = field(default_factory=set)  # codecs whose first (cold) checkpoint was discarded
+    checkpoints: list[int] = field(default_factory=list)  # iterations of the checkpoints profiling asked for
+    disagreed: dict[str, bool] = field(default_factory=dict)  # per codec: its warm samples still disagreed
 
     def __post_init__(self) -> None:
         self.quiet_iters = max(self.quiet_iters, WARMUP_ITERS + MIN_TI_SAMPLES)
@@ -152,17 +163,20 @@ class ProfilingWindow:
         samples.append(Measured(codec=codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
                                 interference_s=interference_s(reference, self.busy), busy_iters=len(self.busy),
                                 busy_s=sum(self.busy), reference_s=quiet_reference_s(reference)))
-        if len(samples) < WARM_SAMPLES:
+        disagree = samples_disagree(samples, iter_s=self.iter_s())
+        if len(samples) < WARM_SAMPLES or (disagree and len(samples) < MAX_WARM_SAMPLES):
             self.measure_next(codec)
             return None
         self.codec, self.busy = None, None
-        self.measured[codec] = _median_measurement(samples)
+        self.disagreed[codec] = disagree
+        self.measured[codec] = _upper_measurement(samples) if disagree else _median_measurement(samples)
         return self.measured[codec]
 
     def summary(self) -> dict:
         """What profiling measured, for ``stats()``: the quiet iterations and every warm sample."""
         return {"quiet_s": [round(t, 6) for t in self.quiet],
-                "samples": {codec: [asdict(sample) for sample in samples] for codec, samples in self.samples.items()}}
+                "samples": {codec: [asdict(sample) for sample in samples] for codec, samples in self.samples.items()},
+                "checkpoints": list(self.checkpoints), "disagreed": dict(self.disagreed)}
 
     def iter_s(self) -> float:
         return iteration_time_s(self.quiet, warmup=WARMUP_ITERS)
@@ -177,9 +191,33 @@ class ProfilingWindow:
                        compress=measured.codec == "rcfz", interference_s=measured.interference_s, **gpu)
 
     def decide(self, measured: Measured, gpu: dict[str, Any], overhead: float,
-               mtbf_s: float | None) -> tuple[Profile, Decision]:
+               mtbf_s: float | None, k_cap: int | None = None) -> tuple[Profile, Decision]:
         profile = self.profile(measured, gpu)
-        return profile, choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s)
+        return profile, choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+
+
+def samples_disagree(samples: list[Measured], *, iter_s: float) -> bool:
+    """Whether the warm samples have no majority near their median, in cost or in persist
+    time (near: within ``DISAGREE_RATIO`` x the median, or ``DISAGREE_ITERS`` iterations)."""
+    for name in ("interference_s", "persist_s"):
+        values = [getattr(sample, name) for sample in samples]
+        center = statistics.median(values)
+        agreeing = sum(center / DISAGREE_RATIO <= value <= center * DISAGREE_RATIO
+                       or abs(value - center) <= DISAGREE_ITERS * iter_s for value in values)
+        if 2 * agreeing <= len(values):
+            return True
+    return False
+
+
+def _upper_measurement(samples: list[Measured]) -> Measured:
+    """The largest of each figure: the conservative k when the samples disagree."""
+    def largest(name: str) -> float:
+        return max(getattr(sample, name) for sample in samples)
+
+    return Measured(codec=samples[0].codec, copy_s=largest("copy_s"), persist_s=largest("persist_s"),
+                    size_bytes=samples[-1].size_bytes, interference_s=largest("interference_s"),
+                    busy_iters=round(largest("busy_iters")), busy_s=largest("busy_s"),
+                    reference_s=statistics.median(sample.reference_s for sample in samples))
 
 
 def _median_measurement(samples: list[Measured]) -> Measured:

@@ -10,6 +10,7 @@ snapshots go into memory a node agent owns, and the agent persists them.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -168,6 +169,8 @@ class EngineSeams:
     observe: Callable[[int, float, float, bool], None] | None = None
     # False: the planner's k adapts elsewhere (a policy shared by all ranks calls set_k).
     local_adaptive: bool = True
+    # The engine's clock for iteration times and stalls (a simulated one in tests).
+    clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         lookahead = self.decisions.lookahead

@@ -3,6 +3,12 @@
 
 Rank 0 records the engine's figures every ``every_s`` seconds of training and each persist
 result as it arrives. Tags: run, rank, node. Names start with ``checkfreq_``.
+
+The overhead gauges are shares of wall time, in [0, 1]: the fraction of this attempt's
+training time (since warm-up) checkpoints took, as measured from iteration times
+(``overhead_ratio``, with one standard error ``overhead_ratio_error``) and as the policy's
+model predicts it at the k in force (``overhead_model_ratio``). A budget p (a slowdown)
+is the share p / (1 + p): 0.035 -> 0.0338.
 """
 
 from __future__ import annotations
@@ -11,13 +17,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray_checkfreq.engine.measured import as_share
+
 TAG_KEYS = ("run", "rank", "node")
 PERSIST_BOUNDARIES_S = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
 
 _GAUGES = {
     "k": "checkpoint interval in iterations (k) in force",
     "stall_seconds": "training time spent waiting for checkpoints (total, this attempt)",
-    "overhead_ratio": "estimated checkpoint overhead: time lost over time without checkpoints",
+    "overhead_ratio": "share of training wall time checkpoints took, measured from iteration times, in [0, 1]",
+    "overhead_ratio_error": "one standard error of overhead_ratio",
+    "overhead_model_ratio": "share of training wall time the policy's model predicts at the k in force, in [0, 1]",
     "compression_ratio": "stored bytes over raw bytes of the checkpoints written",
     "lost_iterations": "iterations lost at the last restart (restored step vs the last iteration reached)",
     "registered_step": "the newest step registered with Ray Train as a pointer checkpoint",
@@ -61,6 +71,10 @@ class CheckFreqMetrics:
     def record_stats(self, stats: dict) -> None:
         figures = {"k": stats.get("k"), "stall_seconds": stats.get("stall_s_total"),
                    "overhead_ratio": stats.get("overhead_estimate"),
+                   "overhead_ratio_error": _share_error(stats.get("overhead_measured"),
+                                                        stats.get("overhead_measured_error")),
+                   "overhead_model_ratio": None if stats.get("overhead_model") is None
+                   else as_share(stats["overhead_model"]),
                    "compression_ratio": stats.get("compression_ratio")}
         for name, value in figures.items():
             self._set(name, value)
@@ -94,3 +108,10 @@ class CheckFreqMetrics:
         self._values[name] += amount
         if amount > 0:
             self._counters[name].inc(float(amount), tags=self.tags)
+
+
+def _share_error(overhead: float | None, error: float | None) -> float | None:
+    """One standard error of a slowdown, carried to its share of wall time (d share / d o = 1 / (1 + o)^2)."""
+    if overhead is None or error is None:
+        return None
+    return error / (1.0 + max(0.0, overhead)) ** 2

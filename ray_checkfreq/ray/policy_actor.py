@@ -50,13 +50,13 @@ class PolicyActor:
             threading.Thread(target=self._watch_lease, name="rcf-policy-lease", daemon=True).start()
 
     def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float, overhead: float,
-              adaptive: dict) -> int:
+              adaptive: dict, k_cap: int | None = None) -> int:
         self._renewed = time.monotonic()
         config = SharedPolicyConfig(overhead=overhead, adaptive=AdaptiveConfig(**adaptive))
         if self._policy is None or self._policy.config != config:
             self._policy = SharedPolicy(config)
         return self._policy.start(generation=generation, world_size=world_size, k=k, k_floor=k_floor,
-                                  iter_s=iter_s)
+                                  iter_s=iter_s, k_cap=k_cap)
 
     def record_iterations(self, generation: int, rank: int, rows: list[tuple[int, float, float, bool]]) -> None:
         self._renewed = time.monotonic()

@@ -14,6 +14,7 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
   it, which is how another writer on the same store (or a slower network) shows first.
   The need is the slowest of the last ``persist_memory`` (2) persists, so it falls again once
   persists are quick, and the adaptive rate then brings k down step by step.
+- k never exceeds the engine's lost-work bound (``k_cap``), whatever the persists need.
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
 agent of a group that was replaced) is ignored. ``start`` with the same world size keeps
@@ -86,7 +87,8 @@ class SharedPolicy:
         self._aggregated = 0
 
     # ------------------------------------------------------------------ start
-    def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float) -> int:
+    def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float,
+              k_cap: int | None = None) -> int:
         """Rank 0's engine has its policy (profiled or cached): the k every rank uses now."""
         if generation < self.generation:
             raise ValueError(f"generation {generation} is older than this run's {self.generation}")
@@ -102,7 +104,7 @@ class SharedPolicy:
         self._iter_ref_s = iter_s
         self._persists.clear()
         self._rate = AdaptiveRate(k=k, k_floor=k_floor, overhead=self.config.overhead,
-                                  config=self.config.adaptive, reference_iter_s=iter_s)
+                                  config=self.config.adaptive, reference_iter_s=iter_s, k_cap=k_cap)
         self._changed(self._rate.k, "profile")
         return self._rate.k
 
@@ -151,7 +153,7 @@ class SharedPolicy:
         rate = self._rate
         assert rate is not None
         need = self.persist_need()
-        floor = min(rate.config.k_max, max(self._base_floor, need))
+        floor = min(rate.k_cap, max(self._base_floor, need))
         if rate.k < floor:
             rate.restart_at(floor, k_floor=floor)
             self._changed(rate.k, "persist")
@@ -173,6 +175,8 @@ class SharedPolicy:
             "version": self.version,
             "k_floor": rate.k_floor if rate else None,
             "overhead": rate.last_overhead if rate else None,
+            "overhead_error": rate.last_error if rate else None,
+            "k_cap": rate.k_cap if rate else None,
             "persist_s": [p.seconds for p in self._persists],
             "persist_cpu_s": [p.cpu_s for p in self._persists],
             "iterations_aggregated": self._aggregated,
