@@ -45,11 +45,11 @@ def _model(width: int = 16):
 def _loop(model, opt, cf, iterations: int, sleep_s: float = 0.0, python_work: int = 0,
           until_decided: bool = False) -> float:
     """Iterations whose duration is mostly a sleep (plus some Python work that needs the GIL);
-    with ``until_decided``, on past ``iterations`` (up to 10x) until the policy has chosen k."""
+    with ``until_decided``, on past ``iterations`` (up to 40x) until the policy has chosen k."""
     start = time.perf_counter()
     x = torch.ones(4, model.in_features)
     done = 0
-    while done < iterations or (until_decided and cf.decision is None and done < 10 * iterations):
+    while done < iterations or (until_decided and cf.decision is None and done < 40 * iterations):
         done += 1
         time.sleep(sleep_s)
         for _ in range(python_work):
