@@ -72,7 +72,7 @@ def _alive_train_node_ids() -> set[str]:
 def _actors_of_run(name: str) -> list[str]:
     import ray
 
-    from ray_checkfreq.ray.agent import NAMESPACE, run_key
+    from ray_checkfreq.ray.names import NAMESPACE, run_key
 
     key = run_key(name)
     return [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)

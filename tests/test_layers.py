@@ -83,3 +83,92 @@ def test_layers_below_data_never_import_ray(layer: str) -> None:
     for path in sorted((PACKAGE / layer).rglob("*.py")):
         for line, module in imports_of(path):
             assert module != "ray" and not module.startswith("ray."), f"{path}:{line} imports {module}"
+
+
+# Module-level import circles (imports inside functions and under TYPE_CHECKING count:
+# both tie the two modules together). Each entry is a circle not yet taken apart; the
+# test fails on a new circle and on an entry that no longer exists, so the list only shrinks.
+KNOWN_CIRCLES: list[list[str]] = []
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(files: list[Path], root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a name resolves to its longest module
+    prefix; a module's own packages are left out: importing them is not a circle)."""
+    modules = {module_name(path, root): path for path in files}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target) if target.startswith("ray_checkfreq") else None
+                if found and found != name and not name.startswith(found + "."):
+                    graph[name].add(found)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, each sorted (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
+
+
+def test_no_new_import_circles() -> None:
+    assert import_circles(import_graph(source_files())) == sorted(KNOWN_CIRCLES)
+
+
+def test_the_circle_check_catches_a_circle(tmp_path: Path) -> None:
+    engine = tmp_path / "ray_checkfreq" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "__init__.py").write_text("")
+    (engine / "a.py").write_text("from ray_checkfreq.engine.b import thing\n")
+    (engine / "b.py").write_text("def f():\n    from ray_checkfreq.engine import a\n")
+    (engine / "c.py").write_text("from ray_checkfreq.engine import a\n")
+    files = sorted(engine.glob("*.py"))
+    graph = import_graph(files, root=tmp_path / "ray_checkfreq")
+    assert import_circles(graph) == [["ray_checkfreq.engine.a", "ray_checkfreq.engine.b"]]

@@ -113,8 +113,8 @@ def test_slow_store_writes_raise_k_for_every_rank_at_once_and_k_falls_after(two_
 # Here, in a module that runs first: late in a full suite run the policy actor of these two
 # tests never answered (not root-caused; alone, and after the Ray Data tests, they pass).
 def test_policy_link_round_trip_through_the_actor(ray_session):
-    from ray_checkfreq.ray.agent import run_key
-    from ray_checkfreq.ray.policy_actor import PolicyLink, find_policy, shutdown_policy
+    from ray_checkfreq.ray.names import run_key
+    from ray_checkfreq.ray.policy_actor import PolicyLink, shutdown_policy
 
     run = run_key(f"policy-{time.time_ns()}")
     rank0 = PolicyLink(run, rank=0, lease_s=60, batch_iters=8, poll_s=0.0)
@@ -128,8 +128,9 @@ def test_policy_link_round_trip_through_the_actor(ray_session):
             rank0.observe(row.iteration, row.iter_s, row.stall_s, row.busy)
         for row in iterations(1, 40, stall_s=0.1):
             rank1.observe(row.iteration, row.iter_s, row.stall_s, row.busy)
-        handle = find_policy(run)
-        handle.record_persist.remote(5, {"step": 40, "seconds": 0.9, "cpu_s": 0.2, "stored_bytes": 10})
+        # Rank 0 forwards what its agent's persist returned (more keys than a report has).
+        rank0.persisted({"step": 40, "seconds": 0.9, "cpu_s": 0.2, "stored_bytes": 10, "raw_bytes": 20,
+                         "uri": "file:///x", "codec": "raw", "node_id": "n0"})
         decision = _poll_until(rank0, lambda d: d["iterations_aggregated"] == 40 and d["persist_s"])
         assert decision["generation"] == 5 and decision["k"] >= math.ceil(1.25 * 0.9 / TI)
         assert decision["k"] > 4 and decision["version"] >= 2
@@ -151,7 +152,7 @@ def _poll_until(link, done, timeout_s: float = 120.0) -> dict:
 def test_a_lost_policy_actor_is_replaced_and_gets_the_proposal_again(ray_session):
     import ray
 
-    from ray_checkfreq.ray.agent import run_key
+    from ray_checkfreq.ray.names import run_key
     from ray_checkfreq.ray.policy_actor import PolicyLink, find_policy, shutdown_policy
 
     run = run_key(f"policy-lost-{time.time_ns()}")

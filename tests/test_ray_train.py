@@ -99,8 +99,7 @@ def assert_nothing_left(run_name: str) -> None:
     """No agent of the run, no slot file of the run (other runs may share /dev/shm)."""
     import ray
 
-    from ray_checkfreq.ray.agent import NAMESPACE, agent_prefix, run_key
-    from ray_checkfreq.ray.policy_actor import policy_name
+    from ray_checkfreq.ray.names import NAMESPACE, agent_prefix, policy_name, run_key
 
     run = run_key(run_name)
     deadline = time.monotonic() + 20
@@ -237,7 +236,8 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
     removed while it is in flight, before the deadline. The other agent still commits the
     stop iteration under the first attempt's writer generation, and the restart begins there."""
     from ray_checkfreq import CheckpointStore
-    from ray_checkfreq.ray.agent import live_agents, run_key
+    from ray_checkfreq.ray.agent import live_agents
+    from ray_checkfreq.ray.names import run_key
 
     require_train_nodes(train_nodes, 3)
     work = tmp_path / "notice-gone"

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ray_checkfreq.bench.iterator_dataset import bench_dataset
+
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
@@ -137,20 +139,6 @@ def _ours_run(num_samples: int, batch_size: int, steps: int, old: int, new: int)
 
 
 # -- Ray Data measurements -----------------------------------------------------------------------------
-def _dataset(cfg: BenchConfig) -> Any:
-    import ray.data
-
-    from ray_checkfreq.data.ray_data import materialized
-
-    width = cfg.features
-
-    def features(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ids = batch["id"]
-        return {"id": ids, "x": (ids[:, None] + np.arange(width)[None, :]).astype(np.float32)}
-
-    return materialized(ray.data.range(cfg.rows, override_num_blocks=cfg.blocks).map_batches(features))
-
-
 def _timed_epoch(batches: Iterable[dict[str, Any]]) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
     ids = [b["id"].numpy() for b in batches]
@@ -172,7 +160,7 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
     from ray_checkfreq.data import resumable
     from ray_checkfreq.data.ray_data import RayDataOptions, block_layout
 
-    ds = _dataset(cfg)
+    ds = bench_dataset(cfg)
     row_index = np.concatenate([np.asarray(_ids_of(ref)) for ref in block_layout(ds).refs])
     to_row = np.empty(cfg.rows, dtype=np.int64)
     to_row[row_index] = np.arange(cfg.rows)

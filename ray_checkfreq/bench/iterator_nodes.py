@@ -37,7 +37,7 @@ def _one_cluster(nodes: int, cfg: Any) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
     from ray.experimental import get_object_locations
 
-    from ray_checkfreq.bench.iterator import _dataset
+    from ray_checkfreq.bench.iterator_dataset import bench_dataset
     from ray_checkfreq.data.ray_data import block_layout
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -51,7 +51,7 @@ def _one_cluster(nodes: int, cfg: Any) -> dict[str, Any]:
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False
-        ds = _dataset(cfg)
+        ds = bench_dataset(cfg)
         refs = block_layout(ds).refs
         homes = [tuple(w.get("node_ids") or ()) for w in get_object_locations(refs).values()]
         row_bytes = sum(t.nbytes for t in ray.get(refs)) / cfg.rows

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.errors import CheckFreqError
@@ -152,3 +152,39 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as err:
         logger.debug("persist thread keeps its priority: %s", err)
+
+
+class Persister(Protocol):
+    """Phase 2 of a checkpoint: ``PersistWorker`` is the in-process one."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None: ...
+
+    def wait_idle(self) -> float: ...
+
+    def raise_if_failed(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+PersisterFactory = Callable[[CheckpointStore, Callable[[PersistResult], None]], Persister]
+
+
+class NullPersister:
+    """The persister of a rank that takes no snapshots: never busy, refuses work."""
+
+    busy = False
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None:
+        raise RuntimeError("this rank takes no snapshots (EngineSeams.takes_snapshots=False)")
+
+    def wait_idle(self) -> float:
+        return 0.0
+
+    def raise_if_failed(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -13,17 +13,18 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ray_checkfreq.storage.tree import KeyPath
+# The seams' protocols live with their owners; named here too, as the engine's API.
+from ray_checkfreq.engine.persist import NullPersister, Persister, PersisterFactory
+from ray_checkfreq.engine.snapshot import HostMemory, Layout
 
-if TYPE_CHECKING:
-    from ray_checkfreq.engine.persist import PersistResult
-    from ray_checkfreq.engine.snapshot import Snapshot
-    from ray_checkfreq.storage import CheckpointStore
+__all__ = ["ACTION_INTS", "CODECS", "NO_ACTION_INTS", "Action", "DecisionChannel", "EngineSeams", "HostMemory",
+           "Layout", "LocalDecisions", "NullPersister", "Persister", "PersisterFactory", "local_rng_state",
+           "set_local_rng_state"]
 
 CODECS = ("raw", "rcfz")  # Action.codec <-> its index in the int encoding
 ACTION_INTS = 5  # present, iteration, flags, codec, k
@@ -98,37 +99,6 @@ class LocalDecisions:
         return planned
 
 
-Layout = list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
-
-
-class HostMemory(Protocol):
-    """Host memory a snapshot's tensors are copied into (say, a node agent's shared slot)."""
-
-    def prepare(self, step: int, layout: Layout) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
-        """Called as each snapshot starts with every tensor leaf (path, shape, dtype), in walk
-        order. Returns a token (``Snapshot.memory``) and a host view per path, which the
-        snapshot uses as its host buffer for that path."""
-        ...
-
-
-class Persister(Protocol):
-    """Phase 2 of a checkpoint: ``PersistWorker`` is the in-process one."""
-
-    @property
-    def busy(self) -> bool: ...
-
-    def submit(self, snapshot: Snapshot, **options: Any) -> None: ...
-
-    def wait_idle(self) -> float: ...
-
-    def raise_if_failed(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-PersisterFactory = Callable[["CheckpointStore", Callable[["PersistResult"], None]], Persister]
-
-
 def local_rng_state() -> dict:
     """This process's torch, numpy, Python (and CUDA, once initialized) RNG states."""
     state = {
@@ -176,21 +146,3 @@ class EngineSeams:
         lookahead = self.decisions.lookahead
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"decisions.lookahead={lookahead!r}: must be an int >= 0")
-
-
-class NullPersister:
-    """The persister of a rank that takes no snapshots: never busy, refuses work."""
-
-    busy = False
-
-    def submit(self, snapshot: Snapshot, **options: Any) -> None:
-        raise RuntimeError("this rank takes no snapshots (EngineSeams.takes_snapshots=False)")
-
-    def wait_idle(self) -> float:
-        return 0.0
-
-    def raise_if_failed(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None

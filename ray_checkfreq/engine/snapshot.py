@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,8 +34,17 @@ import torch
 from ray_checkfreq.engine.devices import CudaOps, DeviceOps
 from ray_checkfreq.storage.tree import KeyPath, StateVisitor, leaves_of, walk_state
 
-if TYPE_CHECKING:
-    from ray_checkfreq.engine.seams import HostMemory
+Layout = list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
+
+
+class HostMemory(Protocol):
+    """Host memory a snapshot's tensors are copied into (say, a node agent's shared slot)."""
+
+    def prepare(self, step: int, layout: Layout) -> tuple[Any, dict[KeyPath, torch.Tensor]]:
+        """Called as each snapshot starts with every tensor leaf (path, shape, dtype), in walk
+        order. Returns a token (``Snapshot.memory``) and a host view per path, which the
+        snapshot uses as its host buffer for that path."""
+        ...
 
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -2,6 +2,12 @@
 
     from ray_checkfreq.ray import CheckFreq, CheckFreqCallback
 
+The naming rule: one ``CheckFreq`` per import path. ``ray_checkfreq.CheckFreq`` is the
+engine of one process (a plain PyTorch loop); ``ray_checkfreq.ray.CheckFreq`` is what a
+Ray Train worker uses, with the same ``step()`` / ``restore()`` / ``close()`` calls: it
+builds one engine per rank (its ``engine`` attribute) and adds node agents, the shared
+decision and the restart protocol around it. Nothing else of either name is public.
+
 This package imports Ray; the layers below it never do. Its public names load on first
 use: a node agent's or the policy actor's process imports only its own module, not
 Ray Train (1.3 s of every actor start).

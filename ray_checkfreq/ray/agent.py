@@ -13,7 +13,6 @@ the request carries, so a persist of an older generation than the store's newest
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -25,26 +24,10 @@ from typing import Any
 import ray
 
 from ray_checkfreq.ray import slots
+from ray_checkfreq.ray.names import NAMESPACE, SLOT_PREFIX, agent_name, agent_prefix
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
-
-NAMESPACE = "ray_checkfreq"
-SLOT_PREFIX = "rcf-"
-
-
-def run_key(experiment: str) -> str:
-    """A short, file-name-safe key for a run (the experiment's storage path)."""
-    return hashlib.blake2b(experiment.encode(), digest_size=6).hexdigest()
-
-
-def agent_name(run: str, node_id: str) -> str:
-    return f"rcf-agent:{run}:{node_id}"
-
-
-def agent_prefix(run: str) -> str:
-    return f"rcf-agent:{run}:"
-
 
 class NodeAgent:
     """The actor class (wrapped with ``ray.remote`` by ``agent_actor``)."""
@@ -69,7 +52,6 @@ class NodeAgent:
         self._lease_s = lease_s
         self._renewed = time.monotonic()
         self._persists = 0
-        self._policy: Any = None  # the run's PolicyActor, once found
         swept = slots.sweep_leftovers(shm_dir, SLOT_PREFIX)
         if swept:
             logger.info("node agent %s: removed %d slot files of dead agents", node_id[:8], len(swept))
@@ -145,23 +127,9 @@ class NodeAgent:
                     self._drop_retired()
             self._persists += 1
             seconds = time.perf_counter() - start
-            self._report_persist(generation, {"step": header.step, "seconds": seconds, "stored_bytes": ref.size_bytes,
-                                              "cpu_s": time.process_time() - cpu_start, "node_id": self.node_id})
-            return {"step": header.step, "seconds": seconds, "stored_bytes": ref.size_bytes,
-                    "raw_bytes": header.data_bytes, "uri": ref.uri, "codec": codec or writer.config.codec,
-                    "node_id": self.node_id}
-
-    def _report_persist(self, generation: int, report: dict) -> None:
-        """To the run's policy actor, if there is one (not awaited: the persist is done)."""
-        from ray_checkfreq.ray.policy_actor import find_policy
-
-        if self._policy is None:
-            self._policy = find_policy(self.run)
-        if self._policy is not None:
-            try:
-                self._policy.record_persist.remote(generation, report)
-            except ray.exceptions.RayError:
-                self._policy = None
+            return {"step": header.step, "seconds": seconds, "cpu_s": time.process_time() - cpu_start,
+                    "stored_bytes": ref.size_bytes, "raw_bytes": header.data_bytes, "uri": ref.uri,
+                    "codec": codec or writer.config.codec, "node_id": self.node_id}
 
     def read_packed(self, path: str, seq: int) -> Any:
         """The COMPLETE slot ``path`` (still holding ``seq``) packed for a rank on another node:

@@ -16,7 +16,8 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from ray_checkfreq.ray.agent import SLOT_PREFIX, run_key, shutdown_agents
+from ray_checkfreq.ray.agent import shutdown_agents
+from ray_checkfreq.ray.names import SLOT_PREFIX, run_key
 from ray_checkfreq.ray.policy_actor import get_or_create_policy, shutdown_policy
 from ray_checkfreq.ray.slots import sweep_leftovers
 

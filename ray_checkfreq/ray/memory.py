@@ -82,19 +82,20 @@ class SlotPersister(PersistWorker):
 
     The agent finishes a persist it started even if this process dies; ``restart_persist``
     hands it a slot restored after a restart that is newer than the newest commit.
+    ``on_agent_report`` gets each persist as the agent measured it (its dict).
     """
 
     def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None, *,
                  agent: Any, persists: bool, generation: Callable[[], int],
                  on_agent_lost: Callable[[], Any] | None = None, route: Callable[[], Any] | None = None,
-                 replica_wait_s: float = 30.0) -> None:
+                 replica_wait_s: float = 30.0, on_agent_report: Callable[[dict], None] | None = None) -> None:
         self.agent = agent
+        self._on_agent_report = on_agent_report
         self._on_agent_lost = on_agent_lost
         self._route = route
         self._replica_wait_s = replica_wait_s
         self.persists = persists
         self._generation = generation
-        self._last_agent_result: dict | None = None
         super().__init__(store, on_done=on_done)
 
     def _persist_source(self, path: str, header: slots.SlotHeader) -> tuple[Any, str, int]:
@@ -128,7 +129,8 @@ class SlotPersister(PersistWorker):
             return None, None
         except BaseException as err:
             return None, _persist_error(snapshot.step, err)
-        self._last_agent_result = done
+        if self._on_agent_report is not None:
+            self._on_agent_report(done)
         return PersistResult(step=snapshot.step, seconds=time.perf_counter() - start, copy_s=copied - start,
                              codec=str(done["codec"]), raw_bytes=snapshot.size_bytes,
                              stored_bytes=int(done["stored_bytes"]), uri=str(done["uri"])), None

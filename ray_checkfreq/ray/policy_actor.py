@@ -8,8 +8,9 @@ the same world size goes on with the k learned so far.
 
 Ranks report through ``PolicyLink``: iterations in batches, fire-and-forget; rank 0 also
 polls the decision without waiting for it (``ray.wait`` with timeout 0), and hands a new
-k to its engine, whose next per-iteration decision carries it to every rank. Agents
-report each persist (``report_persist``). Nothing here blocks an iteration; if the actor
+k to its engine, whose next per-iteration decision carries it to every rank. Rank 0
+reports each persist its node agent ran (``PolicyLink.persisted``, the agent's own
+figures). Nothing here blocks an iteration; if the actor
 is gone, rank 0 keeps the last k it applied and creates a new actor.
 """
 
@@ -25,17 +26,13 @@ from typing import Any
 import ray
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig
-from ray_checkfreq.ray.agent import NAMESPACE
+from ray_checkfreq.ray.names import NAMESPACE, policy_name
 from ray_checkfreq.ray.shared_policy import IterationReport, PersistReport, SharedPolicy, SharedPolicyConfig
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
 
 MAX_UNSENT_ROWS = 4096  # iterations a rank keeps while the policy actor is not found yet
-
-
-def policy_name(run: str) -> str:
-    return f"rcf-policy:{run}"
 
 
 class PolicyActor:
@@ -167,6 +164,19 @@ class PolicyLink:
                 return
         rows, self._rows = self._rows, []
         self._handle.record_iterations.remote(self.generation, self.rank, rows)  # not awaited
+
+    def persisted(self, report: dict) -> None:
+        """Rank 0: a persist its agent ran, as the agent measured it (``PersistReport``'s
+        fields). Not awaited; called from the persist thread."""
+        handle = self._handle
+        if handle is None or self.generation is None:
+            return  # one measurement fewer: the actor is gone or not found yet
+        fields = {name: report[name] for name in ("step", "seconds", "cpu_s", "stored_bytes", "node_id")
+                  if name in report}
+        try:
+            handle.record_persist.remote(self.generation, fields)
+        except ray.exceptions.RayError as err:
+            logger.warning("could not report a persist to the run's policy actor: %s", err)
 
     # ------------------------------------------------------- rank 0: decisions
     def start(self, **proposal: Any) -> None:

@@ -37,6 +37,7 @@ from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
 from ray_checkfreq.ray.metrics import CheckFreqMetrics
+from ray_checkfreq.ray.names import run_key
 from ray_checkfreq.ray.policy_actor import PolicyLink
 from ray_checkfreq.ray.preemption import DrainWatcher, Notice, lost_after_notice, notice_record, stop_iteration
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
@@ -120,7 +121,7 @@ class CheckFreq:
         self.rank = int(context.get_world_rank())
         self.world_size = int(context.get_world_size())
         self.seed = seed
-        self.run = agents.run_key(context.get_experiment_name())
+        self.run = run_key(context.get_experiment_name())
         self.store = _store_for(storage, context)
         self._group = _new_gloo_group(self.world_size)
         self._control_group = _new_gloo_group(self.world_size)
@@ -208,7 +209,8 @@ class CheckFreq:
             return PersistWorker(store, on_done=on_done)
         return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
                              generation=self._current_generation, on_agent_lost=self._replace_agent,
-                             route=self._persist_route, replica_wait_s=self.ray_config.replica_wait_s)
+                             route=self._persist_route, replica_wait_s=self.ray_config.replica_wait_s,
+                             on_agent_report=self._policy.persisted if self._policy is not None else None)
 
     def _persist_route(self) -> Any:
         """Another node's agent to persist from when this node is draining, else None (own)."""

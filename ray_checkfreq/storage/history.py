@@ -1,4 +1,5 @@
-"""Near-lossless history: retained epoch-boundary checkpoints kept trimmed.
+"""Near-lossless history: retained epoch-boundary checkpoints kept trimmed (the transforms;
+``retention.py`` plans which checkpoints, ``CheckpointStore`` rewrites them).
 
 A store with ``history_trim=HistoryTrim(...)`` rewrites a checkpoint once it becomes
 *history*: an intact epoch-boundary checkpoint that retention keeps only because it is an
@@ -21,26 +22,16 @@ against the newest full trimmed copy where one is usable (a full copy every
 
 from __future__ import annotations
 
-import logging
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ray_checkfreq import codec
-from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage.arrays import leaf_bytes
-from ray_checkfreq.storage.encoding import EncodeOptions
-from ray_checkfreq.storage.names import checkpoint_dir_name
 from ray_checkfreq.storage.tree import flatten_state, unflatten_state
-
-if TYPE_CHECKING:
-    from ray_checkfreq.storage.store import CheckpointStore, _Entry
-
-logger = logging.getLogger("ray_checkfreq.storage")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,78 +90,3 @@ def trim_state(state: Mapping[str, Any], *, precision_factor: int | float | None
               for leaf in flat.leaves]
     changed = sum(new is not old and leaf_bytes(new) != leaf_bytes(old) for new, old in zip(leaves, flat.leaves))
     return unflatten_state(flat.skeleton, leaves), changed
-
-
-def is_trimmed(entry: _Entry) -> bool:
-    return entry.manifest is not None and entry.manifest.history_trim is not None
-
-
-def trim_history(store: CheckpointStore, entries: list[_Entry], untouchable: set[str]) -> None:
-    """Rewrite each history checkpoint among ``entries`` (committed, kept, oldest first)
-    trimmed, then delete it; ``untouchable``: the names invariant 1 protects."""
-    trim = store.config.history_trim
-    assert trim is not None
-    copied = {(e.manifest.history_trim or {}).get("source") for e in entries if e.manifest is not None}
-    rewritten = False
-    for entry in _candidates(store, entries, untouchable):
-        if entry.name not in copied and rewritten:
-            continue  # one rewrite per retention: the work of an epoch's end is spread out
-        try:
-            if entry.name not in copied:
-                rewritten = True
-                _write_copy(store, trim, entry, [e for e in entries if is_trimmed(e)])
-            store._delete(entry.name)
-            store._verified.discard(entry.name)
-        except (CheckFreqError, OSError) as err:
-            logger.warning("%s: history checkpoint %s kept exact, trimming failed: %s",
-                           store.uri, entry.name, err)
-
-
-def _candidates(store: CheckpointStore, entries: list[_Entry], untouchable: set[str]) -> list[_Entry]:
-    in_use = {e.manifest.delta_base for e in entries
-              if e.manifest is not None and not is_trimmed(e) and e.manifest.delta_base}
-    if store._base is not None:
-        in_use.add(store._base.name)  # the next exact save may be a delta against it
-    return [e for e in entries
-            if e.manifest is not None and e.manifest.epoch_boundary and not is_trimmed(e)
-            and e.shards_present() and e.name not in untouchable and e.name not in in_use
-            and store._mine_to_remove(e)]
-
-
-def _write_copy(store: CheckpointStore, trim: HistoryTrim, entry: _Entry, trimmed: list[_Entry]) -> None:
-    from ray_checkfreq.storage.store import _DeltaBase
-
-    assert entry.manifest is not None
-    source = store._ref(entry.name, entry.manifest)
-    manifest, leaves = store._read_leaves(source, build=True)
-    state = unflatten_state(manifest.state, [trim.trim_leaf(leaf) for leaf in leaves])
-    base = _delta_base(store, trim, trimmed)
-    options = EncodeOptions(codec="rcfz", level=store.config.codec_level, threads=store.config.codec_threads)
-    name = checkpoint_dir_name(entry.step, store._generation or 0, uuid.uuid4().hex[:8])
-    try:
-        store._write_checkpoint(name, entry.step, flatten_state(state), True, dict(manifest.meta), options,
-                                _DeltaBase(name=base[0], leaves=base[1]) if base else None,
-                                history_trim=trim.describe(entry.name))
-    except BaseException:
-        store._discard(name)
-        raise
-    logger.info("%s: history checkpoint %s rewritten trimmed as %s", store.uri, entry.name, name)
-
-
-def _delta_base(store: CheckpointStore, trim: HistoryTrim,
-                trimmed: list[_Entry]) -> tuple[str, dict[str, Any]] | None:
-    """(name, leaves by key) of the newest full trimmed copy with room for another delta."""
-    fulls = [e for e in trimmed if e.manifest is not None and e.manifest.delta_base is None]
-    if not fulls or trim.full_every == 1:
-        return None
-    newest = fulls[-1]
-    deltas = sum(1 for e in trimmed if e.manifest is not None and e.manifest.delta_base == newest.name)
-    if deltas >= trim.full_every - 1:
-        return None
-    assert newest.manifest is not None
-    try:
-        manifest, leaves = store._read_leaves(store._ref(newest.name, newest.manifest), build=True)
-    except CheckFreqError as err:
-        logger.warning("%s: trimmed copy %s unusable as a delta base: %s", store.uri, newest.name, err)
-        return None
-    return newest.name, {t.key: leaf for t, leaf in zip(manifest.tensors, leaves)}

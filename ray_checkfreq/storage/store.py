@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_checkfreq.errors import (
+    CheckFreqError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedWriterError,
@@ -63,7 +64,7 @@ from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
-from ray_checkfreq.storage.history import HistoryTrim, is_trimmed, trim_history
+from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -75,6 +76,7 @@ from ray_checkfreq.storage.manifest import (
     encode_manifest,
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.retention import StoredEntry, plan_retention, removable
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
@@ -141,30 +143,6 @@ class _DeltaBase:
     name: str
     leaves: dict[str, Any]
     saves_since: int = 0
-
-
-@dataclass
-class _Entry:
-    """One checkpoint directory as found on storage."""
-
-    name: str
-    step: int
-    generation: int
-    files: dict[str, int]
-    manifest: Manifest | None = None
-    fault: CorruptCheckpointError | None = None
-
-    @property
-    def committed(self) -> bool:
-        return MANIFEST_NAME in self.files
-
-    def order_key(self) -> tuple[int, int, int, str]:
-        created = self.manifest.created_unix_ns if self.manifest else 0
-        return (self.generation, self.step, created, self.name)
-
-    def shards_present(self) -> bool:
-        assert self.manifest is not None
-        return all(self.files.get(s.name) == s.size_bytes for s in self.manifest.shards)
 
 
 class CheckpointStore:
@@ -298,7 +276,7 @@ class CheckpointStore:
         with self._lock:
             return self._writer(self._scan(read_manifests=False))
 
-    def _writer(self, entries: builtins.list[_Entry]) -> int:
+    def _writer(self, entries: builtins.list[StoredEntry]) -> int:
         if self._generation is None:
             in_use = max((e.generation for e in entries), default=0)
             self._generation = fencing.acquire_generation(self.backend, in_use)
@@ -311,7 +289,7 @@ class CheckpointStore:
         self._generation_confirmed = True
         return self._generation
 
-    def _check_fence(self, entries: builtins.list[_Entry] | None = None) -> None:
+    def _check_fence(self, entries: builtins.list[StoredEntry] | None = None) -> None:
         """Raise FencedWriterError if a newer writer has taken this URI.
 
         With ``entries`` (a scan made anyway) it looks only at their directory names: a
@@ -427,37 +405,76 @@ class CheckpointStore:
             logger.warning("could not remove partial checkpoint %s: %s", self.backend.uri(name), err)
 
     # ------------------------------------------------------------ housekeeping
-    def _mine_to_remove(self, entry: _Entry) -> bool:
-        """Housekeeping touches only this writer's and older writers' directories."""
-        return self._generation is not None and entry.generation <= self._generation
-
-    def _delete_leftovers(self, entries: builtins.list[_Entry]) -> None:
+    def _delete_leftovers(self, entries: builtins.list[StoredEntry]) -> None:
         for entry in entries:
-            if not entry.committed and self._mine_to_remove(entry):
+            if not entry.committed and removable(entry, self._generation):
                 logger.info("removing interrupted save %s", self.backend.uri(entry.name))
                 self.backend.delete_dir(entry.name)
 
     def _apply_retention(self, just_saved: str) -> None:
+        """Execute ``plan_retention`` over the committed checkpoints."""
         protected = self._protected()
         if protected is None:
             return
         entries = self._committed()
-        keep = self._retained(entries)
-        keep |= {e.name for e in entries if e.step in protected}
-        keep.add(just_saved)
-        newest_verified = next((e.name for e in reversed(entries) if e.name in self._verified), None)
-        if newest_verified is not None:
-            keep.add(newest_verified)
-        # A delta is only as good as its base: keep every base a kept checkpoint refers to.
-        keep |= {e.manifest.delta_base for e in entries if e.name in keep and e.manifest and e.manifest.delta_base}
-        for entry in entries:
-            if entry.name not in keep and self._mine_to_remove(entry):
-                self._delete(entry.name)
-        self._verified &= keep
-        if self.config.history_trim is not None:
-            untouchable = self._recent(entries) | {just_saved, newest_verified or just_saved}
-            untouchable |= {e.name for e in entries if e.step in protected}
-            trim_history(self, [e for e in entries if e.name in keep], untouchable)
+        trim = self.config.history_trim
+        plan = plan_retention(
+            entries, keep_last=self.config.keep_last, keep_epoch_boundaries=self.config.keep_epoch_boundaries,
+            protected_steps=protected, just_saved=just_saved,
+            newest_verified=next((e.name for e in reversed(entries) if e.name in self._verified), None),
+            writer_generation=self._generation, trim=trim is not None,
+            delta_base_in_use=self._base.name if self._base is not None else None)
+        for name in plan.delete:
+            self._delete(name)
+        self._verified &= plan.keep
+        if trim is not None:
+            self._trim_history(trim, [e for e in entries if e.name in plan.keep], plan.rewrite, plan.drop_copied)
+
+    def _trim_history(self, trim: HistoryTrim, kept: builtins.list[StoredEntry], rewrite: Sequence[str],
+                      drop_copied: Sequence[str]) -> None:
+        """Rewrite ``rewrite`` trimmed, then delete them and ``drop_copied`` (history.py's
+        invariants 2 and 4: the copy commits before its source goes; a failure keeps the source)."""
+        by_name = {e.name: e for e in kept}
+        for name in [*rewrite, *drop_copied]:
+            try:
+                if name in rewrite:
+                    self._write_trimmed_copy(trim, by_name[name], [e for e in kept if e.trimmed])
+                self._delete(name)
+                self._verified.discard(name)
+            except (CheckFreqError, OSError) as err:
+                logger.warning("%s: history checkpoint %s kept exact, trimming failed: %s", self.uri, name, err)
+
+    def _write_trimmed_copy(self, trim: HistoryTrim, entry: StoredEntry, trimmed: builtins.list[StoredEntry]) -> None:
+        assert entry.manifest is not None
+        manifest, leaves = self._read_leaves(self._ref(entry.name, entry.manifest), build=True)
+        state = unflatten_state(manifest.state, [trim.trim_leaf(leaf) for leaf in leaves])
+        base = self._trimmed_delta_base(trim, trimmed)
+        options = EncodeOptions(codec="rcfz", level=self.config.codec_level, threads=self.config.codec_threads)
+        name = checkpoint_dir_name(entry.step, self._generation or 0, uuid.uuid4().hex[:8])
+        try:
+            self._write_checkpoint(name, entry.step, flatten_state(state), True, dict(manifest.meta), options,
+                                   base, history_trim=trim.describe(entry.name))
+        except BaseException:
+            self._discard(name)
+            raise
+        logger.info("%s: history checkpoint %s rewritten trimmed as %s", self.uri, entry.name, name)
+
+    def _trimmed_delta_base(self, trim: HistoryTrim, trimmed: builtins.list[StoredEntry]) -> _DeltaBase | None:
+        """The newest full trimmed copy with room for another delta, with its leaves by key."""
+        fulls = [e for e in trimmed if e.manifest is not None and e.manifest.delta_base is None]
+        if not fulls or trim.full_every == 1:
+            return None
+        newest = fulls[-1]
+        deltas = sum(1 for e in trimmed if e.manifest is not None and e.manifest.delta_base == newest.name)
+        if deltas >= trim.full_every - 1:
+            return None
+        assert newest.manifest is not None
+        try:
+            manifest, leaves = self._read_leaves(self._ref(newest.name, newest.manifest), build=True)
+        except CheckFreqError as err:
+            logger.warning("%s: trimmed copy %s unusable as a delta base: %s", self.uri, newest.name, err)
+            return None
+        return _DeltaBase(name=newest.name, leaves={t.key: leaf for t, leaf in zip(manifest.tensors, leaves)})
 
     def _protected(self) -> set[int] | None:
         """The steps ``protected_steps`` names; None (delete nothing) when it fails."""
@@ -468,29 +485,6 @@ class CheckpointStore:
         except Exception as err:  # keeping too much is safe; deleting a pointed-at step is not
             logger.warning("%s: retention skipped, protected_steps failed: %s", self.uri, err)
             return None
-
-    def _retained(self, entries: builtins.list[_Entry]) -> set[str]:
-        """The newest ``keep_last`` intact checkpoints, and older intact epoch boundaries."""
-        recent = self._recent(entries)
-        keep = set(recent)
-        for entry in entries:
-            intact = entry.manifest is not None and entry.shards_present()
-            if intact and self.config.keep_epoch_boundaries and entry.manifest and entry.manifest.epoch_boundary:
-                keep.add(entry.name)
-        return keep
-
-    def _recent(self, entries: builtins.list[_Entry]) -> set[str]:
-        """The newest ``keep_last`` intact exact checkpoints and anything newer (trimmed
-        history copies do not count: they are history whatever their writer generation)."""
-        recent: set[str] = set()
-        kept_intact = 0
-        for entry in reversed(entries):
-            if kept_intact >= self.config.keep_last:
-                break
-            if not is_trimmed(entry):
-                kept_intact += entry.manifest is not None and entry.shards_present()
-                recent.add(entry.name)
-        return recent
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.
@@ -510,18 +504,18 @@ class CheckpointStore:
             self._delete(name)
 
     # ------------------------------------------------------------------ listing
-    def _scan(self, read_manifests: bool = True) -> builtins.list[_Entry]:
+    def _scan(self, read_manifests: bool = True) -> builtins.list[StoredEntry]:
         entries = []
         for name, files in self.backend.list_tree().items():
             parsed = parse_checkpoint_dir(name)
             if parsed is not None:  # any other name is not a checkpoint: ignored
-                entry = _Entry(name=name, step=parsed[0], generation=parsed[1], files=files)
+                entry = StoredEntry(name=name, step=parsed[0], generation=parsed[1], files=files)
                 if read_manifests and entry.committed:
                     self._read_manifest_into(entry)
                 entries.append(entry)
         return entries
 
-    def _read_manifest_into(self, entry: _Entry) -> None:
+    def _read_manifest_into(self, entry: StoredEntry) -> None:
         location = self.backend.uri(f"{entry.name}/{MANIFEST_NAME}")
         try:
             if entry.files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not even read
@@ -539,9 +533,9 @@ class CheckpointStore:
         except FileNotFoundError:
             entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
 
-    def _committed(self) -> builtins.list[_Entry]:
+    def _committed(self) -> builtins.list[StoredEntry]:
         """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
-        return sorted((e for e in self._scan() if e.committed), key=_Entry.order_key)
+        return sorted((e for e in self._scan() if e.committed), key=StoredEntry.order_key)
 
     def list(self) -> builtins.list[CheckpointRef]:
         """Committed checkpoints whose manifest is readable, oldest first.
@@ -563,7 +557,7 @@ class CheckpointStore:
         Includes uncommitted leftovers (ref None, fault None) and unreadable manifests.
         """
         rows = []
-        for entry in sorted(self._scan(), key=_Entry.order_key):
+        for entry in sorted(self._scan(), key=StoredEntry.order_key):
             ref = self._ref(entry.name, entry.manifest) if entry.manifest else None
             rows.append((ref, entry.name, entry.fault))
         return rows
