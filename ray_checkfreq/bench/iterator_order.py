@@ -4,7 +4,7 @@ Each measurement runs in a fresh child process (so its peak RSS is its own): it 
 the data layer, takes one batch of a small unrelated order (numpy's first calls), records
 its RSS, builds ``IndexIterator`` for one rank, restores a state
 at a position of epoch 0, times the first batch, then reads on for up to
-``measure_samples`` samples and reports samples/s and its peak RSS (``ru_maxrss``). Time to
+``measure_samples`` samples and reports samples/s and its peak RSS (``VmHWM``). Time to
 the first batch is the best of ``FIRST_BATCH_TRIES`` restores in the process, each with
 its order built anew (version 1 builds its permutation each time). The order's own memory
 is reported as an upper bound: the peak minus the RSS after imports (the import of torch
@@ -19,8 +19,6 @@ samples/s ratio. Rows are interleaved across repeats; times are the best of the 
 from __future__ import annotations
 
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
@@ -68,9 +66,18 @@ def cases(cfg: OrderBenchConfig) -> list[Case]:
     return out
 
 
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (its peak) of this process: one accounting for both, so
+    the peak is never below a reading taken earlier (``ru_maxrss`` and statm can disagree)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return _status_bytes("VmRSS")
 
 
 def _first_batch_s(case: Case, sharding: Any, position: int) -> float:
@@ -109,7 +116,7 @@ def child(case: Case, batch_size: int, world_size: int) -> dict[str, Any]:
     total_s = time.perf_counter() - start
     return {**asdict(case), "start_position": position, "first_batch_s": first_s, "read": read,
             "samples_per_s": read / total_s, "rss_after_imports": rss_imports,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss": _status_bytes("VmHWM")}
 
 
 def _run_child(case: Case, cfg: OrderBenchConfig) -> dict[str, Any]:
