@@ -30,6 +30,7 @@ from ray_checkfreq.data import TorchLoaderOptions, resumable
 SAMPLES = 4096
 BATCH = 32
 EPOCHS = 3
+ITERS_PER_EPOCH = SAMPLES // BATCH
 KILL_AT = 2 * SAMPLES // BATCH - 37  # inside epoch 2
 
 
@@ -113,7 +114,9 @@ def resume(storage: str, progress: str) -> int:
     resumed = train(storage)
     stats = resumed["stats"]
     ks = [k for k in [newest_k, *(k_after.get(it) for it in range(newest.step, killed_at + 1))] if k is not None]
-    k = max(ks, default=0)
+    # Epoch ends are checkpoints too: with no k in force yet (profiling) or k longer than an
+    # epoch (the lost-work floor lets it be), the interval that bounds the loss is the epoch.
+    k = min(max(ks, default=0) or ITERS_PER_EPOCH, ITERS_PER_EPOCH)
     print(f"run 2: resumed at iteration {resumed['start']} (lost {killed_at - resumed['start']} iterations; "
           f"the bound is 2k = {2 * k}), ran {resumed['executed']} iterations to finish {EPOCHS} epochs")
     print(f"policy: mode {stats['mode']}, k = {stats['k']}, {stats['checkpoints_committed']} checkpoints committed "
