@@ -46,7 +46,7 @@ from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
 from ray_checkfreq.engine.profiling import WARMUP_ITERS
 from ray_checkfreq.engine.seams import EngineSeams
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
-from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, report
+from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
 from ray_checkfreq.storage import CheckpointStore
 
 __all__ = ["CHECKPOINT_CAUSES", "PROFILE_NAME", "CheckFreq", "CheckFreqConfig"]
@@ -313,7 +313,10 @@ class CheckFreq:
     def stats(self) -> dict:
         """Mode, k, checkpoints, stall, overhead (measured and modelled), bytes written,
         compression, persist time, and what explains the number of checkpoints."""
-        return report(self._stats, self._planner, iteration=self.iteration, k_applied=self._executor.k_applied,
+        planner = self._planner
+        policy = PolicyNow(decision=planner.decision, profile=planner.profile, k=planner.k,
+                           codec_decided=planner.codec_trial.decided)
+        return report(self._stats, policy, iteration=self.iteration, k_applied=self._executor.k_applied,
                       mode=self._executor.snapshotter.mode)
 
 

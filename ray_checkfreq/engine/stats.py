@@ -9,14 +9,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ray_checkfreq.engine.measured import RunOverhead
 from ray_checkfreq.engine.persist import PersistResult
-from ray_checkfreq.engine.policy import interval_overhead
-
-if TYPE_CHECKING:
-    from ray_checkfreq.engine.planner import Planner
+from ray_checkfreq.engine.policy import Decision, Profile, interval_overhead
 
 # Why the planner asked for a checkpoint: its k, an epoch end, profiling's measurements, a stop.
 CHECKPOINT_CAUSES = ("interval", "epoch_end", "profiling", "stop")
@@ -87,9 +83,31 @@ class EngineStats:
         self.last_persist_s = result.seconds
 
 
-def report(s: EngineStats, planner: Planner, *, iteration: int, k_applied: int | None, mode: str) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class PolicyNow:
+    """The planner's policy as ``stats()`` reports it."""
+
+    decision: Decision | None
+    profile: Profile | None
+    k: int | None  # the planner's k
+    codec_decided: str | None  # the compression trial's outcome (None: still measuring)
+
+    def modelled_overhead(self) -> float | None:
+        """The policy's model of the overhead at the k in force (None before it decided)."""
+        if self.profile is None or self.decision is None or self.k is None:
+            return None
+        return interval_overhead(self.profile, self.decision.overhead_s, self.k)
+
+    def compresses(self) -> bool | None:
+        """Whether checkpoints are compressed; None while that is still being measured."""
+        if self.profile is not None:
+            return self.profile.compress
+        return None if self.codec_decided is None else self.codec_decided == "rcfz"
+
+
+def report(s: EngineStats, policy: PolicyNow, *, iteration: int, k_applied: int | None, mode: str) -> dict:
     """``CheckFreq.stats()``: ``mode`` is the snapshotter's while the policy has not decided."""
-    decision = planner.decision
+    decision = policy.decision
     measured = s.run_overhead.current()
     return {
         "mode": decision.mode if decision else mode,
@@ -107,31 +125,16 @@ def report(s: EngineStats, planner: Planner, *, iteration: int, k_applied: int |
         "overhead_measured": measured.overhead,
         "overhead_measured_error": measured.error,
         "overhead_lost_s": max(0.0, measured.lost_s),
-        "overhead_model": modelled_overhead(planner),
+        "overhead_model": policy.modelled_overhead(),
         "k_history": [dict(entry) for entry in s.k_history],
         "checkpoints_by_cause": dict(s.checkpoints_by_cause),
         "profiling_checkpoints": list(s.profiling["checkpoints"]) if s.profiling else None,
         "k_cap": decision.k_cap if decision else None,
         "bytes_written": s.stored_bytes,
         "compression_ratio": (s.stored_bytes / s.raw_bytes) if s.raw_bytes else None,
-        "compress": compresses(planner),
+        "compress": policy.compresses(),
         "last_persist_s": s.last_persist_s,
         "k_changes": list(s.k_changes),
         "expected_lost_s": decision.expected_lost_s if decision else None,
         "young_daly_k": decision.young_daly_k if decision else None,
     }
-
-
-def modelled_overhead(planner: Planner) -> float | None:
-    """The policy's model of the overhead at the k in force (None before it decided)."""
-    if planner.profile is None or planner.decision is None or planner.k is None:
-        return None
-    return interval_overhead(planner.profile, planner.decision.overhead_s, planner.k)
-
-
-def compresses(planner: Planner) -> bool | None:
-    """Whether checkpoints are compressed; None while that is still being measured."""
-    if planner.profile is not None:
-        return planner.profile.compress
-    decided = planner.codec_trial.decided
-    return None if decided is None else decided == "rcfz"
