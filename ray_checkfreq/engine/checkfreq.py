@@ -43,7 +43,6 @@ from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
-from ray_checkfreq.engine.profiling import WARMUP_ITERS
 from ray_checkfreq.engine.seams import EngineSeams
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
 from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
@@ -236,8 +235,6 @@ class CheckFreq:
         self._executor.step_ends()
 
     def _observe(self, iter_s: float, stall_s: float, busy: bool) -> None:
-        warm = self._stats.since_start(self.iteration) > WARMUP_ITERS
-        self._stats.record_iteration(iter_s, stall_s, busy, warm=warm)
         if self._seams.observe is not None:
             self._seams.observe(self.iteration, iter_s, stall_s, busy)
         self._planner.observe(self.iteration, iter_s, stall_s, busy)

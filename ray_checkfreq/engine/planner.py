@@ -22,7 +22,7 @@ from ray_checkfreq.engine.adaptive import AdaptiveRate
 from ray_checkfreq.engine.config import CheckFreqConfig
 from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.policy import Decision, Profile, choose_codec, choose_interval, compression_could_pay
-from ray_checkfreq.engine.profiling import CodecTrial, ProfilingWindow
+from ray_checkfreq.engine.profiling import WARMUP_ITERS, CodecTrial, ProfilingWindow
 from ray_checkfreq.engine.seams import Action
 from ray_checkfreq.engine.stats import EngineStats
 
@@ -115,8 +115,9 @@ class Planner:
     # ------------------------------------------------------------- measured
     def observe(self, iteration: int, iter_s: float, stall_s: float, busy: bool) -> None:
         """Iteration ``iteration`` took ``iter_s`` seconds, ``stall_s`` of them checkpoint work;
-        ``busy``: a persist ran during some of it."""
+        ``busy``: a persist ran during some of it. Counted in the statistics (after warm-up)."""
         self._now = iteration
+        self.stats.record_iteration(iter_s, stall_s, busy, warm=self.stats.since_start(iteration) > WARMUP_ITERS)
         if self._profiling is not None:
             self._profiling.observe(iteration, iter_s, stall_s, busy)
         elif self.adaptive is not None:
