@@ -1,0 +1,90 @@
+"""How often to checkpoint: ``CheckFreqConfig``, validated on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_checkfreq.engine.adaptive import AdaptiveConfig
+from ray_checkfreq.engine.policy import lost_work_cap
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckFreqConfig:
+    """How often to checkpoint. ``every`` fixes k; otherwise the policy picks it from p.
+
+    ``compress``: None measures whether the codec pays (with ``every`` too); True or
+    False forces it.
+
+    ``max_lost_fraction``: with ``epoch_len`` known and the policy choosing k, k is at most
+    this fraction of an epoch (the work a failure can lose between checkpoints), even where
+    p would ask for more, unless that is under ``lost_work_floor_s`` seconds of iterations
+    (fast iterations: losing that little costs less than checkpointing more often would).
+    None: no bound. ``every`` is not bounded.
+    """
+
+    overhead: float = 0.035
+    every: int | None = None
+    epoch_len: int | None = None
+    profile_iters: int | None = None
+    mtbf_s: float | None = None
+    adaptive: bool = True
+    adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    checkpoint_epoch_end: bool = True
+    reuse_profile: bool = True
+    compress: bool | None = None
+    max_lost_fraction: float | None = 0.25
+    lost_work_floor_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.overhead < 1:
+            raise ValueError(f"overhead={self.overhead!r}: must be a fraction in (0, 1), e.g. 0.035")
+        for name in ("every", "epoch_len", "profile_iters"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.profile_iters is not None and self.profile_iters < 2:
+            raise ValueError(f"profile_iters={self.profile_iters}: need at least 2 iterations to time one")
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ValueError(f"mtbf_s={self.mtbf_s!r}: must be > 0 seconds")
+        if self.compress not in (None, True, False):
+            raise ValueError(f"compress={self.compress!r}: must be None (measure), True or False")
+        fraction = self.max_lost_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"max_lost_fraction={fraction!r}: must be None or a fraction of an epoch in (0, 1]")
+        if isinstance(self.lost_work_floor_s, bool) or not self.lost_work_floor_s >= 0:
+            raise ValueError(f"lost_work_floor_s={self.lost_work_floor_s!r}: must be seconds >= 0")
+
+    def k_cap(self, iter_s: float = 0.0) -> int | None:
+        """The lost-work bound on the policy's k at iterations of ``iter_s`` (None: none)."""
+        return lost_work_cap(self.epoch_len, self.max_lost_fraction, iter_s=iter_s, floor_s=self.lost_work_floor_s)
+
+    def is_epoch_end(self, iteration: int) -> bool:
+        """Whether ``iteration`` (1-based) ends an epoch."""
+        return self.epoch_len is not None and iteration % self.epoch_len == 0
+
+    def checkpoints_epoch_end(self, iteration: int) -> bool:
+        """Whether ``iteration`` ends an epoch and epoch ends are checkpoints."""
+        return self.checkpoint_epoch_end and self.is_epoch_end(iteration)
+
+    def profiling_window(self) -> int:
+        """min(1 % of an epoch, 50) iterations (at least 2, to time one iteration)."""
+        if self.profile_iters is not None:
+            return self.profile_iters
+        if self.epoch_len is None:
+            return 50
+        return max(2, min(math.ceil(0.01 * self.epoch_len), 50))
+
+
+def config_from(config: CheckFreqConfig | None, **args: Any) -> CheckFreqConfig:
+    """The config, from ``config=`` or from the keyword arguments, never both."""
+    given = {name: value for name, value in args.items() if value is not None or name == "max_lost_fraction"}
+    if config is not None:
+        if given:
+            names = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"CheckFreq(config=..., {names}): set these in the CheckFreqConfig instead, "
+                             "not beside it")
+        return config
+    return CheckFreqConfig(**given)

@@ -1,0 +1,317 @@
+"""The executor: applies the planner's actions on this rank.
+
+A checkpoint action takes a snapshot (phase 1, asynchronous copies) and hands it to the
+persister (phase 2); the next ``optimizer.step()`` first waits for the copies (the
+fence, ``before_update``). With fetch hooks on ``data`` the snapshot stays open until the
+next batch is asked for (``next_iteration_starts``), and the parts that may change in
+between (RNG states, extra state, the optimizer's hyper-parameters) are copied again
+then. Every second spent on the training's critical path is counted as stall
+(``take_stall``) and in the statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWorker
+from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
+from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
+from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.stats import EngineStats
+from ray_checkfreq.storage import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.engine")
+
+_ASYNC_PARTS = {"model_params", "optimizer"}
+
+
+@dataclass(frozen=True)
+class _OpenCheckpoint:
+    """A checkpoint taken at ``step()`` that the next iteration's start completes
+    (``snapshot`` None on a rank that takes no snapshots)."""
+
+    snapshot: Snapshot | None
+
+
+@dataclass(frozen=True)
+class _Restored:
+    """What ``load_state`` loaded that the first fetch after it sets again."""
+
+    rng: Any
+    extra: dict[str, Any]
+    groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingState:
+    """What a checkpoint holds, live: the objects whose state is saved and restored."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: Any
+    extra_state: dict[str, Any]
+
+    def extra_dicts(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self.extra_state.items()}
+
+
+class Executor:
+    """Snapshot, persist, fence and open-checkpoint completion for the actions applied here."""
+
+    def __init__(self, state: TrainingState, *, store: CheckpointStore, seams: EngineSeams, stats: EngineStats,
+                 k: int | None, on_persisted: Callable[[PersistResult], None]) -> None:
+        self.state = state
+        self.stats = stats
+        self.iteration = 0  # the iterations step() counted
+        self.k_applied = k  # the k of the actions applied so far
+        self.stop_requested = False  # an applied action asked the run to stop (a preemption)
+        self.snapshotter = Snapshotter("cpu", host_memory=seams.host_memory)
+        self.persist = _new_persister(seams, store, on_persisted)
+        self.sees_next_iteration = callable(getattr(state.data, "add_fetch_hook", None))
+        self.update_started = 0.0  # when the running optimizer.step() began
+        self._seams = seams
+        self._clock = seams.clock
+        self._fence_handle: Any = None
+        self._open: _OpenCheckpoint | None = None  # taken at step(), completed as the next iteration starts
+        self._reapply: _Restored | None = None  # set again at the first fetch after a restore
+        self._pending_stall = 0.0
+        self._early_wait_s = 0.0  # waited for the persist in flight before planning this step's checkpoint
+        self._warned_unseen = False
+        self._warned_lr = False
+        self._lrs_at_step: list[float | None] | None = None  # without fetch hooks: to notice a later scheduler step
+
+    @property
+    def busy(self) -> bool:
+        """Whether a checkpoint is being persisted right now."""
+        return self.persist.busy
+
+    def take_stall(self) -> float:
+        """Checkpoint work on the critical path since the last call."""
+        stall, self._pending_stall = self._pending_stall, 0.0
+        return stall
+
+    def settle_persist(self) -> None:
+        """Wait for the persist in flight now, ahead of this step's checkpoint (a stall of it)."""
+        self._early_wait_s += self.persist.wait_idle()
+
+    def load_state(self, state: Mapping[str, Any]) -> int:
+        """Load a checkpoint's state into model, optimizer, extra state, data and RNGs; returns its iteration."""
+        live = self.state
+        check_model_state(live.model, state["model"])
+        check_optimizer_state(live.optimizer, state["optimizer"], state["checkfreq"])
+        live.model.load_state_dict(state["model"])
+        live.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in live.extra_state.items():
+            obj.load_state_dict(state["extra"][name])
+        if live.data is not None and state.get("data") is not None:
+            live.data.load_state_dict(state["data"])
+        self._seams.set_rng_state(state["rng"])
+        if self.sees_next_iteration:
+            self._reapply = _Restored(
+                rng=state["rng"], extra=live.extra_dicts(),
+                groups=[{k: v for k, v in group.items() if k != "params"} for group in live.optimizer.param_groups])
+        return int(state["checkfreq"]["iteration"])
+
+    # ------------------------------------------------------------- an action
+    def apply(self, action: Action) -> None:
+        """Apply the action due right after this iteration."""
+        if action.iteration != self.iteration:
+            raise RuntimeError(f"the decision channel handed iteration {self.iteration} the action planned "
+                               f"for iteration {action.iteration}")
+        if action.k is not None and action.k != self.k_applied:
+            # Every rank records the same k history: the k each applied action carries.
+            if self.k_applied is not None:
+                self.stats.k_changes.append((action.iteration, action.k))
+            self.k_applied = action.k
+        if action.stop:
+            self.stop_requested = True
+        if action.checkpoint:
+            self._checkpoint(action)
+
+    def _checkpoint(self, action: Action) -> None:
+        started = self._clock()
+        rng = self._seams.rng_state()  # on every rank, once per checkpoint: it may be a collective
+        # A stop blocks the run in this step(): no next iteration completes that checkpoint.
+        stays_open = self.sees_next_iteration and not action.stop
+        if not self._seams.takes_snapshots:
+            self._open = _OpenCheckpoint(None) if stays_open else None
+            return
+        early_wait, self._early_wait_s = self._early_wait_s, 0.0
+        waited = early_wait + self.persist.wait_idle()  # one in flight: this wait is stall
+        self.persist.raise_if_failed()
+        snapshot = self._take_snapshot(action.epoch_boundary, rng)
+        if stays_open:
+            snapshot.copies.hold()
+            self._open = _OpenCheckpoint(snapshot)
+        self._fence_handle = snapshot.copies
+        self.persist.submit(snapshot, **({} if action.codec is None else {"codec": action.codec}))
+        self.stats.checkpoints_started += 1
+        self.stats.persist_wait_s += waited
+        spent = self._clock() - started + early_wait
+        self._pending_stall += spent
+        self.stats.add_checkpoint_stall(spent)
+
+    def _take_snapshot(self, epoch_boundary: bool, rng: Any) -> Snapshot:
+        live_state = self.state
+        model, optimizer = live_state.model, live_state.optimizer
+        param_ptrs = {p.data_ptr() for p in model.parameters()}
+        model_state = model.state_dict()
+        live_params = {k: v for k, v in model_state.items() if v.data_ptr() in param_ptrs}
+        live = {
+            "model_params": live_params,
+            "model_buffers": {k: v for k, v in model_state.items() if k not in live_params},
+            "optimizer": optimizer.state_dict(),
+            "extra": live_state.extra_dicts(),
+            "data": live_state.data.state_dict() if live_state.data is not None else None,
+            "rng": rng,
+            "checkfreq": {
+                "iteration": self.iteration,
+                "optimizer_class": type(optimizer).__qualname__,
+                "k": self.k_applied,
+            },
+        }
+        snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
+        snapshot.state = _merge_model(snapshot.state, model_state)
+        return snapshot
+
+    # ------------------------------------------------- around the iterations
+    def step_begins(self) -> None:
+        """``step()`` was called: the restored parts were set again if they were due, and an
+        open checkpoint the next iteration did not complete is completed as it is."""
+        self._reapply = None
+        self.complete_unseen()
+
+    def step_ends(self) -> None:
+        if not self.sees_next_iteration and not self._warned_lr:
+            self._lrs_at_step = _learning_rates(self.state.optimizer)
+
+    def before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """An ``optimizer.step()`` pre-hook: the fence (the snapshot's copies land first)."""
+        self.complete_unseen()
+        self._check_lr_unchanged()
+        handle = self._fence_handle
+        if handle is not None:
+            start = self._clock()
+            handle.fence()
+            waited = self._clock() - start
+            self._pending_stall += waited
+            self.stats.fence_wait_s += waited
+            self.stats.add_checkpoint_stall(waited, same_checkpoint=True)
+            self._fence_handle = None
+        self.update_started = self._clock()
+
+    def next_iteration_starts(self) -> None:
+        """A fetch hook of ``data``: the next batch is asked for, nothing of it has run yet."""
+        restored, self._reapply = self._reapply, None
+        if restored is not None:
+            self._seams.set_rng_state(restored.rng)
+            for name, obj in self.state.extra_state.items():
+                obj.load_state_dict(restored.extra[name])
+            for group, saved in zip(self.state.optimizer.param_groups, restored.groups):
+                group.update(saved)
+        if self._open is not None:
+            self._complete_open(refresh=True)
+
+    def _complete_open(self, *, refresh: bool) -> None:
+        """Copy the parts that may have changed since ``step()`` into the open snapshot
+        (``refresh``: on every rank, since the RNG states may be a collective), then let
+        the persist read it."""
+        started = time.perf_counter()
+        opened, self._open = self._open, None
+        assert opened is not None
+        snapshot = opened.snapshot
+        try:
+            rng = self._seams.rng_state() if refresh else None
+            if snapshot is not None and refresh:
+                parts = {("rng",): rng, ("extra",): self.state.extra_dicts(),
+                         ("optimizer", "param_groups"): self.state.optimizer.state_dict()["param_groups"]}
+                try:
+                    self.snapshotter.refresh(snapshot, parts)
+                except ValueError as err:
+                    logger.warning("the checkpoint of iteration %d keeps its RNG, extra state and optimizer "
+                                   "hyper-parameters as they were at cf.step(): %s", snapshot.step, err)
+        finally:
+            if snapshot is not None:
+                snapshot.copies.release()
+        spent = time.perf_counter() - started
+        self._pending_stall += spent
+        self.stats.add_checkpoint_stall(spent, same_checkpoint=True)
+
+    def complete_unseen(self) -> None:
+        """The next iteration began without asking ``data`` for a batch first (a batch fetched
+        before ``cf.step()``, or none): the open checkpoint keeps what ``step()`` saw."""
+        if self._open is None:
+            return
+        if not self._warned_unseen:
+            self._warned_unseen = True
+            logger.warning("iteration %d began without asking data= for its batch after cf.step(): its "
+                           "checkpoints keep the RNG, extra state and optimizer hyper-parameters of cf.step() "
+                           "time, so RNG draws or scheduler steps between cf.step() and the next batch are not "
+                           "in them (fetch each batch from data= after cf.step())", self.iteration + 1)
+        self._complete_open(refresh=False)
+
+    def _check_lr_unchanged(self) -> None:
+        """Without fetch hooks the checkpoint holds the optimizer and scheduler of ``step()``
+        time: a learning rate changed between ``step()`` and the next update means a
+        scheduler stepped after ``cf.step()``, which a resumed run would miss."""
+        before, self._lrs_at_step = self._lrs_at_step, None
+        if before is None or before == _learning_rates(self.state.optimizer) or self._warned_lr:
+            return
+        self._warned_lr = True
+        logger.warning("the learning rate changed between cf.step() and the next optimizer.step() (iteration %d): "
+                       "a scheduler stepped after cf.step()? Checkpoints then hold it one step behind. Step it "
+                       "before cf.step(), or pass a resumable() iterator as data= (then the order does not matter)",
+                       self.iteration + 1)
+
+    # ----------------------------------------------------------------- ending
+    def flush(self) -> float:
+        """Complete an open checkpoint and wait until the one in flight is durable; returns
+        the seconds waited, raises a persist failure."""
+        if self._open is not None:
+            self._complete_open(refresh=True)
+        waited = self.persist.wait_idle()
+        self.persist.raise_if_failed()
+        return waited
+
+    def close(self) -> None:
+        """The last checkpoint (an open one: what the run ended with) made durable; raises a
+        persist failure."""
+        try:
+            if self._open is not None:
+                self._complete_open(refresh=True)
+            self.persist.close()
+            self.persist.raise_if_failed()
+        finally:
+            self.snapshotter.close()
+
+
+def _new_persister(seams: EngineSeams, store: CheckpointStore,
+                   on_persisted: Callable[[PersistResult], None]) -> Persister:
+    if not seams.takes_snapshots:
+        return NullPersister()
+    if seams.persister is not None:
+        return seams.persister(store, on_persisted)
+    return PersistWorker(store, on_done=on_persisted)
+
+
+def _merge_model(state: dict, live: Mapping[str, Any]) -> dict:
+    """Put parameters and buffers back into one model state dict, in the model's order."""
+    merged = {**state.pop("model_params"), **state.pop("model_buffers")}
+    model = OrderedDict((key, merged[key]) for key in live)
+    metadata = getattr(live, "_metadata", None)
+    if metadata is not None:
+        model._metadata = {k: dict(v) for k, v in metadata.items()}  # type: ignore[attr-defined]
+    state["model"] = model
+    return state
+
+
+def _learning_rates(optimizer: torch.optim.Optimizer) -> list[float | None]:
+    """Each group's lr when it is a number (a tensor lr is not read: that could sync a device)."""
+    return [lr if isinstance(lr := group.get("lr"), (int, float)) else None for group in optimizer.param_groups]
