@@ -2,7 +2,9 @@
 
 Faults come from the config (as Ray Train's own tests do), each at most once per test
 (a marker file in ``work_dir``): SIGKILL of a rank after a given iteration, a persist
-held in an agent (a given step's, or the notice's stop checkpoint's), a slot sealed late.
+held in an agent (a given step's, or the notice's stop checkpoint's: the chaos layer's
+hold points, ``ray_checkfreq.chaos.holds``, through the store's file system), a slot
+sealed late.
 Every rank logs JSON lines to ``work_dir/log-<rank>.jsonl``: where each attempt started
 (and from what), the sample ids of every batch, and rank 0 saves the final weights to
 ``work_dir/final.pt``.
@@ -76,7 +78,7 @@ def train(config: dict) -> None:
     epoch_len = iterations_per_epoch(len(images), config.get("global_batch", DIGITS_BATCH))
     _install_slow_seal(config, work_dir)
     _debug_log_decisions(work_dir, rank)
-    cf = CheckFreq(model=model, optimizer=optimizer, data=data, storage=_storage(config),
+    cf = CheckFreq(model=model, optimizer=optimizer, data=data, storage=_storage(config, context),
                    ray_config=RayConfig(restart_wait_s=config.get("restart_wait_s", 3.0),
                                         registration=RegistrationConfig(every=config.get("register_every"))),
                    **_engine_options(config, epoch_len))
@@ -121,11 +123,18 @@ def _engine_options(config: dict, epoch_len: int) -> dict:
     return {"config": CheckFreqConfig(compress=False, **fields)}
 
 
-def _storage(config: dict) -> Any:
-    """The run's storage by default; an S3 bucket behind a proxy with ``s3``: {bucket, endpoint}."""
+def _storage(config: dict, context: Any) -> Any:
+    """The run's storage by default; an S3 bucket behind a proxy with ``s3``: {bucket, endpoint};
+    with a held persist, the run's storage path through the chaos layer's holding file system."""
+    from ray_checkfreq.storage import CheckpointStore, S3Options
+
+    if config.get("hold_persist") or config.get("hold_stop_persist"):
+        from ray_checkfreq.chaos.holds import holding_filesystem
+
+        path = os.path.join(context.get_storage().experiment_fs_path, "checkfreq")
+        return CheckpointStore(path, filesystem=holding_filesystem(_holds_dir(config["work_dir"])))
     if "s3" not in config:
         return None
-    from ray_checkfreq.storage import CheckpointStore, S3Options
 
     s3 = config["s3"]
     return CheckpointStore(f"s3://{s3['bucket']}/run", s3=S3Options(endpoint_url=s3["endpoint"]))
@@ -135,13 +144,21 @@ def _epoch_of(data: Any, iteration: int, epoch_len: int) -> int:
     return (iteration - 1) // epoch_len
 
 
+def _holds_dir(work_dir: str) -> str:
+    return os.path.join(work_dir, "holds")
+
+
 def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
     import ray
+
+    from ray_checkfreq.chaos import holds
 
     hold = config.get("hold_persist")  # {"iteration": i, "step": s, "seconds": t}: rank 0's agent holds step s
     if hold and rank == 0 and cf.iteration == hold["iteration"] and cf.agent is not None \
             and once(work_dir, "hold"):
-        ray.get(cf.agent.hold_persist.remote(hold["seconds"], hold["step"]))
+        # A step, not "the next persist": an earlier step's persist may still be on its way.
+        holds.arm(_holds_dir(work_dir), "persist", hold_s=hold["seconds"], from_step=hold["step"],
+                  nodes=[cf.node_id])
     hold_stop = config.get("hold_stop_persist")  # {"seconds": s}: the notice's stop persist, on other nodes
     if hold_stop and rank == 0 and cf.engine.stop_at is not None and once(work_dir, "hold-stop"):
         _hold_stop_persist(work_dir, cf, hold_stop["seconds"])
@@ -158,12 +175,11 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
 def _hold_stop_persist(work_dir: str, cf: Any, seconds: float) -> None:
     """Rank 0 planned the notice's stop (at a later step() than this one): the other nodes'
     agents hold the persist of that step, and only that one, for ``seconds``."""
-    import ray
-
+    from ray_checkfreq.chaos import holds
     from ray_checkfreq.ray.agent import live_agents
 
     others = {node: handle for node, handle in live_agents(cf.run).items() if node != cf.node_id}
-    ray.get([handle.hold_persist.remote(seconds, cf.engine.stop_at) for handle in others.values()])
+    holds.arm(_holds_dir(work_dir), "persist", hold_s=seconds, from_step=cf.engine.stop_at, nodes=others)
     log(work_dir, 0, event="stop-planned", iteration=cf.iteration, stop=cf.engine.stop_at, held=sorted(others))
 
 
@@ -181,12 +197,10 @@ def _check_pointers(work_dir: str, cf: Any) -> None:
 
 def _release_held_persists(work_dir: str, rank: int, cf: Any) -> None:
     """After a restart has chosen what to restore, a persist held in an agent may go on."""
-    import ray
-
-    from ray_checkfreq.ray.agent import live_agents
+    from ray_checkfreq.chaos import holds
 
     if rank == 0 and os.path.exists(os.path.join(work_dir, "fault-hold")) and once(work_dir, "release"):
-        ray.get([handle.release_hold.remote() for handle in live_agents(cf.run).values()])
+        holds.release(_holds_dir(work_dir), "persist")
 
 
 def _debug_log_decisions(work_dir: str, rank: int) -> None:

@@ -294,6 +294,35 @@ def test_a_store_on_the_holding_filesystem_stops_inside_the_commit_and_a_kill_th
     assert [fault for ref, _, fault in store.scan()] == [None]  # an interrupted save, not a checkpoint
 
 
+def test_a_persist_hold_falls_on_the_armed_step_only_on_the_armed_nodes_and_a_release_ends_it(tmp_path):
+    """The one fault-injection mechanism the Ray tests use on a node agent's persist: a store
+    on the holding file system, armed from a step (an earlier step's persist passes), for
+    some nodes, released early once the test has seen what it waits for."""
+    import numpy as np
+
+    from ray_checkfreq import CheckpointStore
+
+    control = str(tmp_path / "control")
+    store = CheckpointStore(str(tmp_path / "store"), filesystem=holds.holding_filesystem(control))
+    holds.arm(control, "persist", hold_s=60, nodes=["another-node"])
+    store.save(1, {"w": np.ones(4)})  # this process is on no listed node: not held
+    assert holds.inside(control, "persist") is None and os.path.exists(os.path.join(control, "arm-persist"))
+    holds.arm(control, "persist", hold_s=60, from_step=3)
+    started = time.monotonic()
+    saver = threading.Thread(target=lambda: [store.save(step, {"w": np.full(4, step)}) for step in (2, 3)])
+    saver.start()
+    while holds.inside(control, "persist") is None:
+        assert saver.is_alive() and time.monotonic() - started < 30, "the persist of step 3 was never held"
+        time.sleep(0.02)
+    marker = holds.inside(control, "persist")
+    assert marker["step"] == 3 and "step-000000000003" in marker["path"]
+    assert store.latest().step == 2  # step 2 passed; 3 waits inside its persist, uncommitted
+    holds.release(control, "persist")
+    saver.join(timeout=30)
+    assert not saver.is_alive() and time.monotonic() - started < 30  # released, not timed out
+    assert store.latest().step == 3
+
+
 # ---------------------------------------------------------------------- CLI
 def test_help_documents_every_kind_and_schedule(capsys):
     from ray_checkfreq import cli

@@ -94,7 +94,7 @@ def quoted_defaults() -> list[tuple[str, str, object]]:
     from ray_checkfreq.engine.persist import PERSIST_NICE
     from ray_checkfreq.engine.policy import BEST_STORED_FRACTION, COMPRESSION_MARGIN, MIN_COMPRESSIBLE_BYTES
     from ray_checkfreq.engine.profiling import MEASURE_ITERS, MIN_TI_SAMPLES, WARMUP_ITERS
-    from ray_checkfreq.engine.seams import ACTION_INTS
+    from ray_checkfreq.ray.decisions import ACTION_INTS
     from ray_checkfreq.storage.store import StoreConfig
 
     store, adaptive = StoreConfig(), AdaptiveConfig()

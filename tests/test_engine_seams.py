@@ -19,8 +19,6 @@ from test_snapshot_copies import ASYNC, FakeOps, _two_device_state
 
 from ray_checkfreq import CheckpointStore
 from ray_checkfreq.engine import (
-    ACTION_INTS,
-    NO_ACTION_INTS,
     Action,
     CheckFreq,
     EngineSeams,
@@ -29,6 +27,7 @@ from ray_checkfreq.engine import (
 )
 from ray_checkfreq.engine.checkfreq import PROFILE_NAME
 from ray_checkfreq.engine.snapshot import Snapshotter
+from ray_checkfreq.ray.decisions import ACTION_INTS, NO_ACTION_INTS, from_ints, to_ints
 from ray_checkfreq.storage.tree import leaves_of
 
 
@@ -43,9 +42,9 @@ class LookaheadChannel:
 
     def exchange(self, planned: Action | None) -> Action | None:
         if self.is_planner:
-            self.wire.append(planned.to_ints() if planned is not None else list(NO_ACTION_INTS))
+            self.wire.append(to_ints(planned) if planned is not None else list(NO_ACTION_INTS))
         self.steps += 1
-        return Action.from_ints(self.wire[self.steps - 2]) if self.steps >= 2 else None
+        return from_ints(self.wire[self.steps - 2]) if self.steps >= 2 else None
 
 
 class RecordingPersister:
@@ -379,16 +378,16 @@ actions = st.builds(
 
 @given(actions)
 def test_an_action_survives_its_int_encoding(action):
-    ints = action.to_ints()
+    ints = to_ints(action)
     assert len(ints) == ACTION_INTS and all(-(2**63) <= v < 2**63 for v in ints)
-    assert Action.from_ints(torch.tensor(ints, dtype=torch.int64).tolist()) == action
+    assert from_ints(torch.tensor(ints, dtype=torch.int64).tolist()) == action
 
 
 def test_no_action_and_bad_encodings():
-    assert Action.from_ints(NO_ACTION_INTS) is None
+    assert from_ints(NO_ACTION_INTS) is None
     for bad in ([1, 5, 8, -1, -1], [1, 5, 0, 2, -1], [1, 5, 0, -1, 0], [2, 5, 0, -1, -1], [1, 5, 0]):
         with pytest.raises(ValueError):
-            Action.from_ints(bad)
+            from_ints(bad)
     with pytest.raises(ValueError, match="codec='zip'"):
         Action(iteration=1, codec="zip")
     with pytest.raises(ValueError, match="iteration=0"):

@@ -13,6 +13,12 @@ of a checkpoint is opened for writing, and ``commit`` between writing the manife
 temporary file and renaming it into place, both in the process that persists (the node
 agent), through ``HoldingFileSystem`` (a ``pyarrow.fs.PyFileSystem`` handler over the local
 file system that the chaos job's store writes through).
+
+This is the one fault-injection mechanism for processes the product starts (node agents,
+training workers): nothing of it is in a product class. An arm may name the first step it
+applies to (``from_step``: a persist of an earlier step that is still on its way passes)
+and the nodes whose processes may claim it; ``release`` ends a hold early (a test that
+lets a held persist go on once a restart has chosen its source).
 """
 
 from __future__ import annotations
@@ -20,12 +26,16 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Collection
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from ray_checkfreq.storage.names import parse_checkpoint_dir
+
 PHASES = ("snapshot", "persist", "commit")
 MANIFEST_SUFFIX = "/manifest.json"
+RELEASE_POLL_S = 0.05
 
 
 def _arm_path(control_dir: str, phase: str) -> str:
@@ -36,19 +46,37 @@ def _inside_path(control_dir: str, phase: str) -> str:
     return os.path.join(control_dir, f"inside-{phase}.json")
 
 
-def arm(control_dir: str, phase: str, *, hold_s: float) -> None:
-    """The next process to reach ``phase`` stops there for up to ``hold_s`` seconds."""
+def _release_path(control_dir: str, phase: str) -> str:
+    return os.path.join(control_dir, f"release-{phase}")
+
+
+def arm(control_dir: str, phase: str, *, hold_s: float, from_step: int | None = None,
+        nodes: Collection[str] | None = None) -> None:
+    """The next process to reach ``phase`` (at a step >= ``from_step``, on one of ``nodes``,
+    where given) stops there for up to ``hold_s`` seconds, or until ``release``."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r}: expected one of {', '.join(PHASES)}")
     os.makedirs(control_dir, exist_ok=True)
     _remove(_inside_path(control_dir, phase))
-    with open(_arm_path(control_dir, phase), "w") as out:
-        out.write(json.dumps({"hold_s": hold_s}))
+    _remove(_release_path(control_dir, phase))
+    spec = {"hold_s": hold_s, "from_step": from_step, "nodes": sorted(nodes) if nodes is not None else None}
+    tmp = _arm_path(control_dir, phase) + f".{os.getpid()}"
+    with open(tmp, "w") as out:
+        out.write(json.dumps(spec))
+    os.rename(tmp, _arm_path(control_dir, phase))  # a reader never sees half a spec
 
 
 def disarm(control_dir: str, phase: str) -> None:
     _remove(_arm_path(control_dir, phase))
     _remove(_inside_path(control_dir, phase))
+    _remove(_release_path(control_dir, phase))
+
+
+def release(control_dir: str, phase: str) -> None:
+    """The process held in ``phase`` (now or later: the arm stays) goes on at once."""
+    os.makedirs(control_dir, exist_ok=True)
+    with open(_release_path(control_dir, phase), "w"):
+        pass
 
 
 def inside(control_dir: str, phase: str) -> dict | None:
@@ -60,23 +88,40 @@ def inside(control_dir: str, phase: str) -> dict | None:
         return None
 
 
-def hold_here(control_dir: str | None, phase: str, **where: Any) -> None:
-    """Called at a hold point: sleep there if ``phase`` is armed and this process claims it."""
+def hold_here(control_dir: str | None, phase: str, *, step: int | None = None, **where: Any) -> None:
+    """Called at a hold point: sleep there if ``phase`` is armed for this step and node and
+    this process claims it."""
     if control_dir is None or not os.path.exists(_arm_path(control_dir, phase)):
+        return
+    try:
+        with open(_arm_path(control_dir, phase)) as lines:
+            spec = json.loads(lines.read())
+    except FileNotFoundError:  # another process claimed it first
+        return
+    node = _node_id()
+    if not _applies(spec, step=step, node=node):
         return
     claimed = os.path.join(control_dir, f"claimed-{phase}-{os.getpid()}-{time.monotonic_ns()}")
     try:
         os.rename(_arm_path(control_dir, phase), claimed)
     except FileNotFoundError:  # another process claimed it first
         return
-    with open(claimed) as lines:
-        hold_s = float(json.loads(lines.read())["hold_s"])
-    marker = {"pid": os.getpid(), "phase": phase, "t": time.time(), "node": _node_id(), **where}
+    marker = {"pid": os.getpid(), "phase": phase, "t": time.time(), "node": node, "step": step, **where}
     tmp = _inside_path(control_dir, phase) + f".{os.getpid()}"
     with open(tmp, "w") as out:
         out.write(json.dumps(marker))
     os.rename(tmp, _inside_path(control_dir, phase))
-    time.sleep(hold_s)  # the injector kills this process now; waking up means nobody did
+    # The injector kills this process now, or releases it; waking up at the end means neither did.
+    deadline = time.monotonic() + float(spec["hold_s"])
+    while time.monotonic() < deadline and not os.path.exists(_release_path(control_dir, phase)):
+        time.sleep(min(RELEASE_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _applies(spec: dict, *, step: int | None, node: str | None) -> bool:
+    from_step, nodes = spec.get("from_step"), spec.get("nodes")
+    if from_step is not None and (step is None or step < from_step):
+        return False
+    return nodes is None or node in nodes
 
 
 def _node_id() -> str | None:
@@ -147,7 +192,7 @@ class HoldingFileSystem(pafs.FileSystemHandler):
 
     def move(self, src: str, dest: str) -> None:
         if dest.endswith(MANIFEST_SUFFIX):
-            hold_here(self.control_dir, "commit", path=dest)
+            hold_here(self.control_dir, "commit", step=_step_of(dest), path=dest)
         self.local.move(src, dest)
 
     def copy_file(self, src: str, dest: str) -> None:
@@ -161,7 +206,7 @@ class HoldingFileSystem(pafs.FileSystemHandler):
 
     def open_output_stream(self, path: str, metadata: Any = None) -> Any:
         if _is_shard(path):
-            hold_here(self.control_dir, "persist", path=path)
+            hold_here(self.control_dir, "persist", step=_step_of(path), path=path)
         return self.local.open_output_stream(path, metadata=metadata)
 
     def open_append_stream(self, path: str, metadata: Any = None) -> Any:
@@ -173,6 +218,11 @@ def _is_shard(path: str) -> bool:
     parent, name = os.path.split(path)
     return os.path.basename(parent).startswith("step-") and not name.startswith("manifest") \
         and not name.endswith(".tmp")
+
+
+def _step_of(path: str) -> int | None:
+    parsed = parse_checkpoint_dir(os.path.basename(os.path.dirname(path)))
+    return parsed[0] if parsed is not None else None
 
 
 def holding_filesystem(control_dir: str) -> pafs.PyFileSystem:

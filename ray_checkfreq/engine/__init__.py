@@ -6,8 +6,6 @@ from ray_checkfreq.engine.persist import PersistError, PersistResult, PersistWor
 from ray_checkfreq.engine.policy import Decision, Profile, choose_interval
 from ray_checkfreq.engine.restore import RestoreMismatchError
 from ray_checkfreq.engine.seams import (
-    ACTION_INTS,
-    NO_ACTION_INTS,
     Action,
     DecisionChannel,
     EngineSeams,
@@ -21,8 +19,6 @@ from ray_checkfreq.engine.seams import (
 from ray_checkfreq.engine.snapshot import Snapshot
 
 __all__ = [
-    "ACTION_INTS",
-    "NO_ACTION_INTS",
     "Action",
     "AdaptiveConfig",
     "AdaptiveRate",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,16 +22,12 @@ import torch
 from ray_checkfreq.engine.persist import NullPersister, Persister, PersisterFactory
 from ray_checkfreq.engine.snapshot import HostMemory, Layout
 
-__all__ = ["ACTION_INTS", "CODECS", "NO_ACTION_INTS", "Action", "DecisionChannel", "EngineSeams", "HostMemory",
+__all__ = ["CODECS", "Action", "DecisionChannel", "EngineSeams", "HostMemory",
            "Layout", "LocalDecisions", "NullPersister", "Persister", "PersisterFactory", "local_rng_state",
            "set_local_rng_state"]
 
-CODECS = ("raw", "rcfz")  # Action.codec <-> its index in the int encoding
-ACTION_INTS = 5  # present, iteration, flags, codec, k
-NO_ACTION_INTS: tuple[int, ...] = (0,) * ACTION_INTS
-_INT64_MAX = 2**63 - 1
-_CHECKPOINT, _EPOCH_BOUNDARY, _STOP = 1, 2, 4
-_ALL_FLAGS = _CHECKPOINT | _EPOCH_BOUNDARY | _STOP
+CODECS = ("raw", "rcfz")  # the codecs an Action may name (the Ray wire format sends the index)
+_INT64_MAX = 2**63 - 1  # every int of an Action fits the int64 wire format (ray/decisions.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,27 +50,6 @@ class Action:
             raise ValueError(f"Action(k={self.k!r}): must be None or an int in [1, 2**63)")
         if self.codec is not None and self.codec not in CODECS:
             raise ValueError(f"Action(codec={self.codec!r}): must be None or one of {CODECS}")
-
-    def to_ints(self) -> list[int]:
-        """``ACTION_INTS`` int64 values (-1 for None); ``from_ints`` inverts it."""
-        flags = (_CHECKPOINT * self.checkpoint) | (_EPOCH_BOUNDARY * self.epoch_boundary) | (_STOP * self.stop)
-        codec = -1 if self.codec is None else CODECS.index(self.codec)
-        return [1, self.iteration, flags, codec, -1 if self.k is None else self.k]
-
-    @classmethod
-    def from_ints(cls, values: Sequence[int]) -> Action | None:
-        """The action ``to_ints`` encoded, or None for ``NO_ACTION_INTS``."""
-        ints = [int(v) for v in values]
-        if len(ints) != ACTION_INTS:
-            raise ValueError(f"an encoded action has {ACTION_INTS} ints, got {len(ints)}: {ints}")
-        present, iteration, flags, codec, k = ints
-        if present == 0:
-            return None
-        if present != 1 or not 0 <= flags <= _ALL_FLAGS or not -1 <= codec < len(CODECS) or k == 0 or k < -1:
-            raise ValueError(f"not an encoded action: {ints}")
-        return cls(iteration=iteration, checkpoint=bool(flags & _CHECKPOINT),
-                   epoch_boundary=bool(flags & _EPOCH_BOUNDARY), stop=bool(flags & _STOP),
-                   codec=None if codec == -1 else CODECS[codec], k=None if k == -1 else k)
 
 
 class DecisionChannel(Protocol):

@@ -46,9 +46,6 @@ class NodeAgent:
         self._layout_version = 0
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
         self._in_flight: int | None = None
-        self._hold_s = 0.0
-        self._hold_from_step = 0
-        self._released = threading.Event()
         self._lease_s = lease_s
         self._renewed = time.monotonic()
         self._persists = 0
@@ -112,9 +109,6 @@ class NodeAgent:
                 raise slots.SlotError(path, f"holds snapshot #{header.seq}, the request was for #{seq}")
             self._in_flight = header.step
             try:
-                if self._hold_s and header.step >= self._hold_from_step:
-                    hold, self._hold_s = self._hold_s, 0.0
-                    self._released.wait(hold)
                 writer = self._writer(store, generation)
                 ref = writer.save(header.step, state, epoch_boundary=epoch_boundary, codec=codec,
                                   raw_crc32=leaf_crcs)
@@ -177,17 +171,6 @@ class NodeAgent:
         if acquired:
             self._persist_lock.release()
         return acquired
-
-    def hold_persist(self, seconds: float, from_step: int) -> None:
-        """Tests: make the first persist of a step >= ``from_step`` wait ``seconds`` (or until
-        ``release_hold``) after reading its slot. A step, not "the next persist": an earlier
-        step's persist may still be on its way to this agent."""
-        self._released.clear()
-        self._hold_from_step = int(from_step)
-        self._hold_s = float(seconds)
-
-    def release_hold(self) -> None:
-        self._released.set()
 
     # ------------------------------------------------------------ lifetime
     def renew(self) -> None:

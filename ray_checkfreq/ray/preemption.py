@@ -7,6 +7,11 @@ every rank snapshots that iteration and then blocks until Ray Train tears the gr
 so no iteration runs that the restart would lose. The snapshot is persisted by the agent
 of a node that is not draining (under DDP each node's agent holds a replica), so it
 commits even if the drained node, rank 0's included, is gone first.
+
+``Preemption`` holds these steps for one rank: the iteration clock, planning the stop on
+a notice (rank 0), the route of a persist away from a draining node, and the stop itself.
+Rank 0 records the notice in ``NOTICES_NAME`` beside the checkpoints (``restart.py``
+counts the iterations it cost).
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ray_checkfreq.ray import agent as agents
+
 logger = logging.getLogger("ray_checkfreq.ray")
+
+NOTICES_NAME = "checkfreq-notices.json"
 
 
 @dataclass(frozen=True)
@@ -114,3 +123,86 @@ class DrainWatcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def write_notice_record(store: Any, record: dict) -> None:
+    """A failed write loses only the statistic, never training: logged, not raised."""
+    try:
+        store.write_metadata(NOTICES_NAME, record)
+    except Exception as err:  # the store's errors vary by backend; the run goes on
+        logger.warning("could not record the preemption notice in %s: %s", NOTICES_NAME, err)
+
+
+class Preemption:
+    """One rank's preemption handling; ``watcher`` only on rank 0 (None: notices are not watched).
+
+    ``generation``: the run's writer generation (known once the restart has run).
+    ``on_notices``: called with the number of notices seen (rank 0's metrics).
+    """
+
+    def __init__(self, *, rank: int, store: Any, watcher: DrainWatcher | None, detection_lag_s: float,
+                 generation: Callable[[], int], on_notices: Callable[[int], None] | None = None) -> None:
+        self.rank = rank
+        self.store = store
+        self.watcher = watcher
+        self.detection_lag_s = detection_lag_s
+        self.generation = generation
+        self.on_notices = on_notices
+        self.notices: list[dict] = []
+        self._last_step_s: float | None = None
+        self._iter_s = 0.0  # moving average of the iteration time
+
+    def time_iteration(self) -> None:
+        now = time.monotonic()
+        if self._last_step_s is not None:
+            spent = now - self._last_step_s
+            self._iter_s = spent if self._iter_s == 0 else 0.9 * self._iter_s + 0.1 * spent
+        self._last_step_s = now
+
+    def plan_for_notice(self, engine: Any, lookahead: int) -> None:
+        """Rank 0: on a new notice, set the engine's ``stop_at`` and record the notice."""
+        notice = self.watcher.notice if self.watcher is not None else None
+        if notice is None or engine.stop_at is not None:
+            return
+        persist_s = engine.stats()["last_persist_s"] or 0.0
+        earliest = engine.iteration + 1 + lookahead  # what the next step() plans
+        engine.stop_at = stop_iteration(now_s=time.time(), notice=notice, iteration=earliest, iter_s=self._iter_s,
+                                        persist_s=persist_s, detection_lag_s=self.detection_lag_s)
+        self.notices.append({"node_id": notice.node_id, "deadline_s": notice.deadline_s, "seen_s": notice.seen_s,
+                             "iteration": engine.stop_at})
+        if self.on_notices is not None:
+            self.on_notices(len(self.notices))
+        logger.warning("preemption notice: checkpoint at iteration %d, then stop", engine.stop_at)
+        # Recorded now, not only at the commit: the group may be torn down before it.
+        write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),
+                                                      stop_at=engine.stop_at, stopped_at=None))
+
+    def persist_route(self, *, run: str, node_id: str, nodes: list[str]) -> Any:
+        """Another node's agent to persist from when ``node_id`` is draining, else None (own)."""
+        if self.watcher is None or node_id not in self.watcher.draining():
+            return None
+        draining = self.watcher.draining()
+        live = agents.live_agents(run)
+        for node in dict.fromkeys(nodes):
+            if node not in draining and node in live:
+                return live[node]
+        return None
+
+    def stop_and_wait(self, engine: Any) -> None:
+        """Make the stop checkpoint durable (rank 0), then block until the group is torn down:
+        returning would end the run as finished, raising would count as a failure."""
+        if self.rank == 0:
+            engine.flush()
+            record = self.notices[-1] if self.notices else {}
+            record["committed_s"] = time.time()
+            if record.get("deadline_s"):
+                record["committed_before_deadline_s"] = record["deadline_s"] - record["committed_s"]
+            write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),
+                                                          stop_at=engine.iteration, stopped_at=engine.iteration))
+            logger.warning("preemption: iteration %d is durable; waiting for the restart", engine.iteration)
+        while True:
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()

@@ -1,19 +1,30 @@
-"""Where a restarted run resumes from: a pure choice over what storage and the agents hold.
+"""The restart protocol: where a restarted run resumes from, and how every rank gets there.
 
-The protocol around it (``session.py``), in this order: find the run's live agents; wait
-for their in-flight persists; only then take a new writer generation; choose with
-``choose_source``; the rank on the chosen slot's node loads it and broadcasts it; a slot
-newer than the newest commit is persisted under the new generation.
+``RestartProtocol.decide`` (rank 0, then broadcast): find the run's live agents; wait for
+their in-flight persists (bounded); only then take a new writer generation; choose with
+``choose_source`` (pure) over the newest commit and every agent's COMPLETE slots.
+``RestartProtocol.apply`` (every rank): the rank on the chosen slot's node (rank 0 for
+storage or a slot its agent sends) reads it and broadcasts it, falling back to storage
+when it is unreadable; a slot newer than the newest commit is persisted under the new
+generation; iterations lost to the previous attempt's preemption notice are counted once.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray
+
+from ray_checkfreq.ray import agent as agents
+from ray_checkfreq.ray import slots
+from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_notice_record
 from ray_checkfreq.ray.slots import SLOT_COMPLETE
+from ray_checkfreq.ray.transfer import broadcast_json, broadcast_state, unpack_state
+from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -66,3 +77,170 @@ def choose_source(*, committed_step: int | None, slot_headers: Mapping[str, Sequ
     if committed_step is not None:
         return RestoreChoice(kind="storage", step=committed_step, committed_step=committed_step)
     return RestoreChoice(kind="none")
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What rank 0 decided, on every rank: the choice, the new writer generation, and the
+    previous attempt's notice record (None: none was stored)."""
+
+    choice: RestoreChoice
+    generation: int
+    notice_record: dict | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    iteration: int
+    info: dict  # kind, step, seconds, lost_after_notice, ...: what stats() reports as "restore"
+    committed_step: int | None  # the newest commit after the restore (the restored step from storage)
+
+
+@dataclass(kw_only=True)
+class RestartProtocol:
+    """The restart protocol of one rank; ``group`` is the run's control gloo group."""
+
+    rank: int
+    world_size: int
+    run: str
+    node_id: str
+    nodes: list[str]  # rank r's node id
+    store: CheckpointStore
+    group: Any
+    wait_s: float  # how long to wait for in-flight persists (RayConfig.restart_wait_s)
+    warn_every_s: float
+    restored_persist: Any = None  # rank 0: the agent's persist of a restored slot (not awaited)
+
+    def decide(self) -> Decided:
+        """Rank 0 chooses, every rank gets its choice (a collective: a broadcast)."""
+        mine = None
+        if self.rank == 0:
+            choice, generation = self._choose()
+            mine = [asdict(choice), generation, self.store.read_metadata(NOTICES_NAME)]
+        decided = broadcast_json(mine, src=0, rank=self.rank, group=self.group)
+        return Decided(RestoreChoice(**decided[0]), int(decided[1]), decided[2])
+
+    def apply(self, decided: Decided, engine: Any) -> Restored:
+        """The chosen state into ``engine`` on every rank (collectives: the read's outcome and
+        the state, broadcast from the reading rank); returns where the run resumes."""
+        choice = decided.choice
+        started = time.perf_counter()
+        if choice.kind == "none":
+            iteration = 0
+            info: dict = {"kind": "none", "step": 0, "seconds": 0.0}
+        else:
+            state, fell_back = self._load(choice)
+            iteration = engine.apply_state(state)
+            del state
+            info = {"kind": "storage" if fell_back else choice.kind,  # what was read, not only what was chosen
+                    "step": iteration, "node_id": choice.node_id, "committed_step": choice.committed_step,
+                    "seconds": time.perf_counter() - started}
+        info["lost_after_notice"] = self._count_notice_loss(decided.notice_record, iteration, decided.generation)
+        if self.rank == 0 and choice.needs_persist and choice.kind == "slot":
+            self._persist_restored_slot(choice, decided.generation)
+        logger.info("rank %d restored iteration %d from %s", self.rank, iteration, choice.kind)
+        committed = iteration if choice.kind == "storage" else choice.committed_step
+        return Restored(iteration=iteration, info=info, committed_step=committed)
+
+    def _choose(self) -> tuple[RestoreChoice, int]:
+        live = agents.live_agents(self.run)
+        wait_for_persists(live, wait_s=self.wait_s, warn_every_s=self.warn_every_s)
+        generation = self.store.acquire_writer()  # only now: a persist still running is fenced
+        headers = slot_headers(live)
+        newest = self.store.latest()
+        choice = choose_source(committed_step=newest.step if newest else None, slot_headers=headers, run=self.run,
+                               reachable_nodes=set(self.nodes), prefer_node=self.node_id)
+        return choice, generation
+
+    def _load(self, choice: RestoreChoice) -> tuple[Any, bool]:
+        """The chosen state on every rank, read by one rank and broadcast; True: it fell back to storage."""
+        on_a_rank = choice.kind == "slot" and not choice.via_agent and choice.node_id is not None
+        source = self.nodes.index(str(choice.node_id)) if on_a_rank else 0
+        state: Any = None
+        ok = True
+        if self.rank == source:
+            try:
+                state = read_source(choice, store=self.store, run=self.run)
+            except (slots.SlotError, OSError) as err:
+                logger.error("restore: slot %s unreadable (%s); falling back to storage", choice.path, err)
+                ok = False
+        fell_back = False
+        if not broadcast_json(ok, src=source, rank=self.rank, group=self.group):
+            source, state = 0, (self.store.load() if self.rank == 0 else None)
+            fell_back = True
+        return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
+                               group=self.group), fell_back
+
+    def _persist_restored_slot(self, choice: RestoreChoice, generation: int) -> None:
+        holder = agents.live_agents(self.run).get(choice.node_id or "")
+        if holder is None:
+            logger.warning("restore: the agent holding step %s is gone; it stays uncommitted", choice.step)
+            return
+        # Not awaited: the agent commits it in the background; the next persist waits behind it.
+        self.restored_persist = holder.persist.remote(choice.path, choice.seq, self.store, generation)
+
+    def _count_notice_loss(self, record: dict | None, restored: int, generation: int) -> int | None:
+        """Iterations lost to the previous attempt's notice (None: it stopped for another
+        reason); rank 0 marks the record counted, so a later restart does not count it again."""
+        lost = lost_after_notice(record, restored=restored, generation=generation)
+        if lost is None or record is None:
+            return None
+        if record.get("stopped_at") is None and self.rank == 0:
+            logger.warning("the previous attempt was stopped before its notice checkpoint (iteration %s) was "
+                           "confirmed durable: up to %d iterations are trained again", record.get("stop_at"), lost)
+        if self.rank == 0:
+            write_notice_record(self.store, {**record, "restored_by": generation})
+        return lost
+
+
+def wait_for_persists(live: Mapping[str, Any], *, wait_s: float, warn_every_s: float) -> None:
+    """Bounded wait for the agents' in-flight persists, with a warning naming the setting."""
+    deadline = time.monotonic() + wait_s
+    pending = dict(live)
+    while pending and time.monotonic() < deadline:
+        step_s = min(warn_every_s, max(0.0, deadline - time.monotonic()))
+        refs = {node: handle.wait_idle.remote(step_s) for node, handle in pending.items()}
+        for node, ref in refs.items():
+            try:
+                if ray.get(ref, timeout=step_s + 10):
+                    pending.pop(node)
+            except ray.exceptions.GetTimeoutError:
+                pass  # alive but slow to answer: still pending until the deadline
+            except ray.exceptions.RayError:
+                pending.pop(node)  # that agent is gone: nothing of it to wait for
+        if pending:
+            logger.warning("restart: still waiting for the persist in flight on %d node agent(s); "
+                           "giving up after RayConfig(restart_wait_s=%.0f)", len(pending), wait_s)
+
+
+def slot_headers(live: Mapping[str, Any]) -> dict[str, list]:
+    """{node id: its agent's slot headers} of the agents that answer."""
+    refs = {node: handle.slot_headers.remote() for node, handle in live.items()}
+    headers = {}
+    for node, ref in refs.items():
+        try:
+            headers[node] = ray.get(ref, timeout=30)
+        except ray.exceptions.RayError as err:
+            logger.warning("restart: node agent %s did not answer (%s)", node[:8], err)
+    return headers
+
+
+def read_source(choice: RestoreChoice, *, store: CheckpointStore, run: str) -> dict:
+    """The chosen state, read on this rank (a slot of its node, or sent by the slot's agent)."""
+    if choice.kind == "storage":
+        return store.load()
+    assert choice.path is not None and choice.seq is not None
+    if choice.via_agent:
+        holder = agents.live_agents(run).get(choice.node_id or "")
+        if holder is None:
+            raise slots.SlotError(choice.path, "its node agent is gone")
+        try:
+            return unpack_state(ray.get(holder.read_packed.remote(choice.path, choice.seq), timeout=120))
+        except ray.exceptions.RayError as err:
+            raise slots.SlotError(choice.path, f"its node agent could not send it: {err}") from err
+    slot = slots.MappedSlot.open(choice.path)
+    header, state = slot.read(copy=True)
+    slot.close()
+    if header.seq != choice.seq:
+        raise slots.SlotError(choice.path, f"changed since it was chosen (#{choice.seq} -> #{header.seq})")
+    return state
