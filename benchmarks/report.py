@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("ray_checkfreq.bench")
+logger = logging.getLogger("benchmarks")
 
 TITLES = {
     "codec": "Codec: compression ratio and speed",

@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-from ray_checkfreq.bench import ray_bench_job as job
+from benchmarks import ray_bench_job as job
 
 TRAIN_RESOURCE = "rcf_bench_train"
 SPEEDUP_TARGET = 5.0
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def job_config(args: argparse.Namespace, work_dir: str) -> dict:
-    from ray_checkfreq.bench.restore_state import mlp_shape
+    from benchmarks.restore_state import mlp_shape
 
     for name in ("state_mb", "batch", "iterations", "warmup", "repeats", "epoch_len", "policy_max_iterations"):
         if getattr(args, name) < 1:

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 import torch
 
-from ray_checkfreq.bench import restore_state
+from benchmarks import restore_state
 
 MiB = 1024 * 1024
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_checkfreq.bench import restore_state
+from benchmarks import restore_state
 
 TARGET_RATIO = 5.0
 OWN_SLOT = "own-node slot"
@@ -83,7 +83,7 @@ def run_restore_bench(*, state_mb: int, repeats: int, s3: bool) -> dict:
 
 def _sources(stack: contextlib.ExitStack, state_mb: int, reference: dict, nbytes: int,
              s3: bool) -> tuple[list[Source], dict]:
-    from ray_checkfreq.bench.restore_cluster import OtherNode
+    from benchmarks.restore_cluster import OtherNode
 
     workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rcf-bench-restore-"))
     slot_dir = restore_state.slot_directory(nbytes)

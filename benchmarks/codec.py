@@ -385,7 +385,7 @@ def _span(ratios: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     path = args.input or default_input()
     if args.near_lossless:
-        from ray_checkfreq.bench import nearlossless
+        from benchmarks import nearlossless
         return nearlossless.run(args, path)
     base = load_flat(path)
     cores = os.cpu_count() or 1

@@ -7,7 +7,7 @@ lie in [-1, 1] rounded to multiples of 1/B, the others kept exact) and the relat
 precision_bits = 16, 12, 8. Decoded weights are checked against each mode's bound. With a
 BERT model (all-MiniLM-L6-v2 by default: ``config.json`` and ``vocab.txt`` next to the
 weights), sentence embeddings of ``SENTENCES`` (mean pooling of the last hidden state, as
-sentence-transformers does for this model; :mod:`ray_checkfreq.bench.minilm`) are computed
+sentence-transformers does for this model; :mod:`benchmarks.minilm`) are computed
 with the original and with the decoded weights: the cosine similarity of each pair, and
 how much the similarity between any two sentences moved.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import minilm
 from ray_checkfreq import codec
-from ray_checkfreq.bench import minilm
 
 SETTINGS: list[tuple[str, dict[str, int]]] = [
     ("lossless", {}),

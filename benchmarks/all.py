@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ray_checkfreq.bench.machine import machine_info
-    from ray_checkfreq.bench.report import write_reports
+    from benchmarks.machine import machine_info
+    from benchmarks.report import write_reports
 
     sections = _sections(args.only)
     extra = _extra_flags(args.extra)
