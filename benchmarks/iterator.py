@@ -15,7 +15,6 @@ Measures, on one materialized dataset in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness import add_json_argument, write_json
 from benchmarks.iterator_dataset import bench_dataset
 
 
@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="ranks the order is sharded over (rank 0 runs)")
     parser.add_argument("--order-repeats", type=int, default=3)
     parser.add_argument("--nodes", help="also per-node reads on local clusters of these node counts, e.g. 2,4")
-    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    add_json_argument(parser)
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -330,9 +330,7 @@ def run(args: argparse.Namespace) -> int:
                 ray.shutdown()
     result["before_after"] = before_after()
     print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return 0
 
 
