@@ -81,8 +81,8 @@ class RayConfig:
     restart_warn_every_s: float = 15.0
     """Seconds between warnings while it waits."""
     agent_lease_s: float = 600.0
-    """Seconds after which an agent (or the policy actor) nobody renewed exits (runs without ``CheckFreqCallback``).
-    Seconds after which an agent (or the policy actor) nobody renewed exits (runs without ``CheckFreqCallback``)."""
+    """Seconds after which an agent (or the policy actor) nobody renewed exits (runs without
+    ``CheckFreqCallback``)."""
     slots: int = 2
     """Shared-memory slots per node agent: 2 (A/B) or 1 (half the RAM)."""
     shm_dir: str = "/dev/shm"
