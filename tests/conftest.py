@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray cluster and one loopback S3 server per test session."""
+"""Shared fixtures (one Ray cluster and one loopback S3 server per test session) and the
+test tiers (unit / integration / chaos / tooling: markers given by module, docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -128,7 +129,57 @@ def s3_bucket(s3_server):
 _RUN_FIRST = ("test_ray_train_examples.py", "test_ray_policy.py", "test_ray_registration.py", "test_ray_train.py")
 
 
-def pytest_collection_modifyitems(config, items):
+def _run_first(items):
     first = sorted((item for item in items if item.path.name in _RUN_FIRST),
                    key=lambda item: _RUN_FIRST.index(item.path.name))  # stable: a module's own order stays
     items[:] = first + [item for item in items if item.path.name not in _RUN_FIRST]
+
+
+# The tier of each test module (docs/testing.md): `pytest -m unit` and so on selects one.
+# unit: the library in process (a few tests may spawn a child to SIGKILL it), seconds each;
+# integration: real components (the session's Ray cluster, the loopback S3 server, the CLI
+# and multi-process runs); chaos: faults injected into real runs (SIGKILLs, node loss,
+# drain notices) and where the restart began; tooling: the repository around the library
+# (docs, layers, benchmarks, examples, the demo, cluster configs, the mutation harness).
+# A test marked `chaos` by itself (a long fault-injection run) is in the chaos tier wherever
+# its module is, so the four tiers split the suite. tests/test_tiers.py checks every module is here.
+TIERS = {
+    "unit": (
+        "test_checksum.py", "test_chunk_reader.py", "test_codec.py", "test_codec_huffman.py",
+        "test_codec_integrity.py", "test_codec_layout.py", "test_data_core.py", "test_data_global_batch.py",
+        "test_data_order.py", "test_engine.py", "test_engine_between_steps.py", "test_engine_measured.py",
+        "test_engine_policy.py", "test_engine_profile.py", "test_engine_seams.py", "test_engine_with_data.py",
+        "test_key_paths.py", "test_manifest.py", "test_nearlossless_codec.py", "test_nearlossless_store.py",
+        "test_retention_plan.py", "test_snapshot_copies.py", "test_store_direct.py", "test_store_local.py",
+        "test_store_protected.py", "test_ray_agent.py", "test_ray_restart.py", "test_slots.py",
+        "test_chaos_units.py",
+    ),
+    "integration": (
+        "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
+        "test_store_s3.py", "test_store_fencing.py", "test_hostile_store.py", "test_shared_policy.py",
+        "test_ray_registration.py",
+    ),
+    "chaos": (
+        "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
+        "test_ray_train.py", "test_ray_train_examples.py",
+    ),
+    "tooling": (
+        "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",
+        "test_bench_ray.py", "test_bench_restore.py", "test_data_bench.py", "test_nearlossless_bench.py",
+        "test_cluster_configs.py", "test_examples.py", "test_demo.py", "test_ray_demo.py",
+        "test_resume_mutation.py",
+    ),
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def tier_of(item) -> str:
+    if item.get_closest_marker("chaos") is not None:
+        return "chaos"
+    return TIER_OF.get(item.path.name, "unit")  # an unlisted module: tests/test_tiers.py fails
+
+
+def pytest_collection_modifyitems(config, items):
+    _run_first(items)
+    for item in items:
+        item.add_marker(tier_of(item))
