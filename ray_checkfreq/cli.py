@@ -21,7 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the benchmark that runs is imported: some pull in Ray or DALI.
     wanted = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
     parser = _parser(wanted)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # A benchmark that cannot load has no flags to parse: its run reports why instead.
+    if unknown and not getattr(args, "bench_unavailable", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (CheckFreqError, ValueError) as err:
@@ -82,7 +85,7 @@ def _benchmark_module(name: str):
     try:
         benchmarks = importlib.import_module("benchmarks")
     except ImportError:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
         if not os.path.isfile(os.path.join(root, "benchmarks", "__init__.py")):
             raise ImportError("the benchmarks are not installed with the package: run `ray-checkfreq bench` from a "
                               "checkout of the repository (pip install -e .), whose benchmarks/ they are") from None

@@ -103,6 +103,6 @@ def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, tmp
     # An installed wheel: no importable benchmarks package, none beside the installed package.
     monkeypatch.setitem(sys.modules, "benchmarks", None)
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "ray_checkfreq" / "cli.py"))
-    assert cli.main(["bench", "store"]) == 1
+    assert cli.main(["bench", "store", "--size-mb", "1"]) == 1
     err = capsys.readouterr().err
     assert "benchmark unavailable" in err and "checkout of the repository" in err
