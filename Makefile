@@ -22,7 +22,7 @@ test: lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check ray_checkfreq tests examples
+	$(PY) -m ruff check ray_checkfreq benchmarks tools tests examples
 	$(PY) -m mypy
 
 demo: $(STAMP)

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-from ray_checkfreq.bench import BENCHMARKS
 from ray_checkfreq.codec.nearlossless import MAX_FACTOR_LOG2
 from ray_checkfreq.errors import CheckFreqError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import CheckpointStore
@@ -22,7 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the benchmark that runs is imported: some pull in Ray or DALI.
     wanted = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
     parser = _parser(wanted)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # A benchmark that cannot load has no flags to parse: its run reports why instead.
+    if unknown and not getattr(args, "bench_unavailable", None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (CheckFreqError, ValueError) as err:
@@ -62,29 +64,51 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
     add_chaos_parser(sub)
 
-    bench = sub.add_parser("bench", help="run a benchmark")
+    bench = sub.add_parser("bench", help="run a benchmark (from a repository checkout: benchmarks/)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    for name, module in BENCHMARKS.items():
+    for name in BENCHMARK_NAMES:
         bench_parser = bench_sub.add_parser(name)
-        bench_parser.set_defaults(func=_bench_runner(module))
+        bench_parser.set_defaults(func=_bench_runner(name))
         if name == benchmark:
-            _bench_arguments(module, bench_parser)
+            _bench_arguments(name, bench_parser)
     return parser
 
 
-def _bench_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+# The benchmarks are not part of the library (nor of its wheel): they live in the repository's
+# top-level ``benchmarks/`` package, loaded by name only when ``bench`` runs. The names are
+# repeated here so that ``--help`` works without it; tests/test_cli.py keeps both lists equal.
+BENCHMARK_NAMES = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "all")
+
+
+def _benchmark_module(name: str):
+    """``benchmarks.<module of NAME>``, from the checkout this package was installed from."""
     try:
-        importlib.import_module(module).add_arguments(parser)
+        benchmarks = importlib.import_module("benchmarks")
+    except ImportError:
+        root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+        if not os.path.isfile(os.path.join(root, "benchmarks", "__init__.py")):
+            raise ImportError("the benchmarks are not installed with the package: run `ray-checkfreq bench` from a "
+                              "checkout of the repository (pip install -e .), whose benchmarks/ they are") from None
+        # Child processes (``bench all``'s, Ray's workers) find it the same way.
+        sys.path.insert(0, root)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        benchmarks = importlib.import_module("benchmarks")
+    return importlib.import_module(benchmarks.BENCHMARKS[name])
+
+
+def _bench_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    try:
+        _benchmark_module(name).add_arguments(parser)
     except ImportError as err:
         parser.set_defaults(bench_unavailable=str(err))
 
 
-def _bench_runner(module: str):
+def _bench_runner(name: str):
     def run(args: argparse.Namespace) -> int:
         if getattr(args, "bench_unavailable", None):
             print(f"error: benchmark unavailable: {args.bench_unavailable}", file=sys.stderr)
             return 1
-        return importlib.import_module(module).run(args)
+        return _benchmark_module(name).run(args)
 
     return run
 

@@ -1,7 +1,9 @@
-"""Shared fixtures: one Ray cluster and one loopback S3 server per test session."""
+"""Shared fixtures (one Ray cluster and one loopback S3 server per test session) and the
+test tiers (unit / integration / chaos / tooling: markers given by module, docs/testing.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -19,7 +21,7 @@ def _free_port() -> int:
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                       "health_check_timeout_ms": 500}
 TRAIN_RESOURCE = "rcf_train"
-TRAIN_NODES = 5
+SESSION_TRAIN_NODES = 2  # Train runs use 2 workers
 TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
@@ -40,12 +42,12 @@ LOOPBACK_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KE
                            "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local multi-node Ray cluster (``ray.cluster_utils.Cluster``) for the whole session.
+def start_cluster(train_nodes: int):
+    """A local multi-node Ray cluster (``ray.cluster_utils.Cluster``), the driver connected.
 
-    The head (the driver's node, never removed) runs the Ray Data tests; Train tests add
-    worker nodes of their own (``train_nodes``) and remove them again.
+    The head (the driver's node, never removed) runs the Ray Data tests; Train workers run on
+    ``train_nodes`` one-CPU nodes, all added now: adding nodes later in a run failed ("Failed
+    to connect to GCS ... Failed to find the key"; not root-caused). Tests only remove them.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -56,18 +58,49 @@ def ray_cluster():
     for key, value in LOOPBACK_S3_CREDENTIALS.items():
         os.environ.setdefault(key, value)
     # Raylets (and so every worker) inherit this: workers import the tests' training jobs.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    if tests_dir not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "object_store_memory": 400 << 20, "_system_config": FAST_HEALTH_CHECKS,
         "include_dashboard": False,
     })
-    # Train workers' nodes (1 CPU each), all added now: adding nodes later in the run failed
-    # ("Failed to connect to GCS ... Failed to find the key"; not root-caused). Tests only
-    # remove them: 5 cover every test's removals (see tests/test_ray_train.py).
-    for _ in range(TRAIN_NODES):
+    for _ in range(train_nodes):
         cluster.add_node(num_cpus=1, resources={TRAIN_RESOURCE: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    return cluster
+
+
+@contextlib.contextmanager
+def own_cluster(train_nodes: int):
+    """A cluster of a module's own (one that removes nodes: the session's stays whole).
+
+    The driver leaves the session cluster while it runs (a process joins one cluster at a
+    time) and joins it again after; Ray objects the driver made before are gone then, so
+    session fixtures keep none (``small_ray_dataset`` is made once per driver connection).
+    """
+    import ray
+
+    session = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
+    cluster = start_cluster(train_nodes)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if session is not None:
+            ray.init(address=session, log_to_driver=False, configure_logging=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local multi-node Ray cluster for the whole session, with ``SESSION_TRAIN_NODES``
+    one-CPU nodes for Train workers that no test removes (a module that removes nodes uses
+    ``own_cluster``)."""
+    import ray
+
+    cluster = start_cluster(SESSION_TRAIN_NODES)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
@@ -121,14 +154,50 @@ def s3_bucket(s3_server):
     return name
 
 
-# The Ray Train modules remove worker nodes of the session cluster: they run first, so the
-# other tests always see the same cluster whatever they removed. The examples' module removes
-# none and runs before them, on a fresh cluster (late in a full run on a loaded machine its
-# Train run once failed; alone it passes).
-_RUN_FIRST = ("test_ray_train_examples.py", "test_ray_policy.py", "test_ray_registration.py", "test_ray_train.py")
+# The tier of each test module (docs/testing.md): `pytest -m unit` and so on selects one.
+# unit: the library in process (a few tests may spawn a child to SIGKILL it), seconds each;
+# integration: real components (the session's Ray cluster, the loopback S3 server, the CLI
+# and multi-process runs); chaos: faults injected into real runs (SIGKILLs, node loss,
+# drain notices) and where the restart began; tooling: the repository around the library
+# (docs, layers, benchmarks, examples, the demo, cluster configs, the mutation harness).
+# A test marked `chaos` by itself (a long fault-injection run) is in the chaos tier wherever
+# its module is, so the four tiers split the suite. tests/test_tiers.py checks every module is here.
+TIERS = {
+    "unit": (
+        "test_checksum.py", "test_chunk_reader.py", "test_codec.py", "test_codec_huffman.py",
+        "test_codec_integrity.py", "test_codec_layout.py", "test_data_core.py", "test_data_global_batch.py",
+        "test_data_order.py", "test_engine.py", "test_engine_between_steps.py", "test_engine_measured.py",
+        "test_engine_planner.py", "test_engine_policy.py", "test_engine_profile.py", "test_engine_seams.py", "test_engine_with_data.py",
+        "test_key_paths.py", "test_manifest.py", "test_nearlossless_codec.py", "test_nearlossless_store.py",
+        "test_retention_plan.py", "test_snapshot_copies.py", "test_store_direct.py", "test_store_local.py",
+        "test_store_protected.py", "test_ray_agent.py", "test_ray_restart.py", "test_slots.py",
+        "test_chaos_units.py",
+    ),
+    "integration": (
+        "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
+        "test_store_s3.py", "test_store_fencing.py", "test_hostile_store.py", "test_shared_policy.py",
+        "test_ray_registration.py",
+    ),
+    "chaos": (
+        "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
+        "test_ray_train.py", "test_ray_train_examples.py",
+    ),
+    "tooling": (
+        "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",
+        "test_bench_ray.py", "test_bench_restore.py", "test_data_bench.py", "test_nearlossless_bench.py",
+        "test_cluster_configs.py", "test_examples.py", "test_demo.py", "test_ray_demo.py",
+        "test_resume_mutation.py",
+    ),
+}
+TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def tier_of(item) -> str:
+    if item.get_closest_marker("chaos") is not None:
+        return "chaos"
+    return TIER_OF.get(item.path.name, "unit")  # an unlisted module: tests/test_tiers.py fails
 
 
 def pytest_collection_modifyitems(config, items):
-    first = sorted((item for item in items if item.path.name in _RUN_FIRST),
-                   key=lambda item: _RUN_FIRST.index(item.path.name))  # stable: a module's own order stays
-    items[:] = first + [item for item in items if item.path.name not in _RUN_FIRST]
+    for item in items:
+        item.add_marker(tier_of(item))

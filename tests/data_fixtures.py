@@ -115,16 +115,19 @@ def assert_same_stream(a: list[Any], b: list[Any]) -> None:
         assert fingerprint(x) == fingerprint(y), f"batch {i} differs"
 
 
-_DATASETS: dict[int, Any] = {}
+_DATASETS: dict[tuple[str, int], Any] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def small_ray_dataset(ray_session):
-    # one materialization per session, even though several modules import this fixture
-    # (each import is a separate fixture definition): fewer Ray Data runs
-    if 103 not in _DATASETS:
-        _DATASETS[103] = ray_dataset(103)
-    return _DATASETS[103]
+    # one materialization per driver connection, even though several modules import this
+    # fixture (each import is a separate fixture definition): fewer Ray Data runs. A module
+    # with a cluster of its own (conftest.own_cluster) reconnects the driver: a new job, whose
+    # objects the old one's dataset cannot reach.
+    key = (ray_session.get_runtime_context().get_job_id(), 103)
+    if key not in _DATASETS:
+        _DATASETS[key] = ray_dataset(103)
+    return _DATASETS[key]
 
 
 Maker = Callable[..., ResumableIterator]

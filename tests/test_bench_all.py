@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ray_checkfreq.bench import all as bench_all
+from benchmarks import all as bench_all
 
 CHEAP = ("codec", "stall", "overhead", "persist")
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from ray_checkfreq.bench import ray_bench
-from ray_checkfreq.bench import ray_bench_job as job
+from benchmarks import ray_bench
+from benchmarks import ray_bench_job as job
 
 TRAIN_RESOURCE = "rcf_train"  # the session cluster's train nodes (conftest.py)
 REQUIRED = ("k", "overhead_ours_policy", "overhead_ours_same_k", "overhead_report_sync", "overhead_report_async")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ray_checkfreq.bench import restore_state
+from benchmarks import restore_state
 
 SOURCES = {
     "own-node slot",
@@ -81,7 +81,7 @@ def _filesystem_type(path) -> str:
 
 
 def test_dropping_the_page_cache_leaves_no_page_resident(tmp_path):
-    from ray_checkfreq.bench.restore import drop_page_cache, resident_fraction
+    from benchmarks.restore import drop_page_cache, resident_fraction
 
     if _filesystem_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("on tmpfs the page cache is the storage: nothing can be dropped")

@@ -90,7 +90,7 @@ def test_bench_codec_on_a_given_file(tmp_path):
 
 
 def test_the_delta_between_two_training_checkpoints_round_trips_and_stores_less_than_a_full_encode():
-    from ray_checkfreq.bench.codec import delta_case
+    from benchmarks.codec import delta_case
 
     delta = delta_case(steps_apart=2, warmup=1)  # the command's default: 10 steps after 20
     assert delta["bit_identical"]
@@ -99,7 +99,7 @@ def test_the_delta_between_two_training_checkpoints_round_trips_and_stores_less_
 
 
 def test_bench_codec_interleaves_the_methods_round_by_round_in_alternating_order():
-    from ray_checkfreq.bench import codec as bench_codec
+    from benchmarks import codec as bench_codec
 
     calls = []
 

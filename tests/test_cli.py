@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_checkfreq import CheckpointStore
+from ray_checkfreq import CheckpointStore, cli
 from ray_checkfreq.cli import main
 
 
@@ -91,3 +91,18 @@ def test_console_script_is_installed(store_with_two):
     script = os.path.join(os.path.dirname(sys.executable), "ray-checkfreq")
     result = subprocess.run([script, "ls", store_with_two.uri], capture_output=True, text=True, check=True)
     assert "step-0000000000" in result.stdout
+
+
+def test_bench_lists_every_benchmark_of_the_checkout():
+    import benchmarks
+
+    assert list(cli.BENCHMARK_NAMES) == list(benchmarks.BENCHMARKS)
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, tmp_path, capsys):
+    # An installed wheel: no importable benchmarks package, none beside the installed package.
+    monkeypatch.setitem(sys.modules, "benchmarks", None)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "ray_checkfreq" / "cli.py"))
+    assert cli.main(["bench", "store", "--size-mb", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "benchmark unavailable" in err and "checkout of the repository" in err

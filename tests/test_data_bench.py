@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from ray_checkfreq.bench import iterator as bench
+from benchmarks import iterator as bench
 
 
 def test_before_after_counts():
@@ -38,7 +38,7 @@ def test_demo_only_run_prints_and_writes_json(tmp_path, capsys):
 
 
 def test_order_bench_cases_skip_the_permutation_where_it_would_not_fit():
-    from ray_checkfreq.bench.iterator_order import OrderBenchConfig, cases
+    from benchmarks.iterator_order import OrderBenchConfig, cases
 
     listed = cases(OrderBenchConfig(num_samples=10**9, compare_samples=10**7))
     assert {(c.num_samples, c.version) for c in listed} == {(10**9, 2), (10**7, 2), (10**7, 1)}
@@ -48,7 +48,7 @@ def test_order_bench_cases_skip_the_permutation_where_it_would_not_fit():
 
 
 def test_order_bench_child_restores_at_the_position_and_reads_on():
-    from ray_checkfreq.bench.iterator_order import Case, child
+    from benchmarks.iterator_order import Case, child
 
     result = child(Case(10**9, 2, 0.999, 5000), batch_size=100, world_size=4)
     assert result["start_position"] == 999_000_000 and result["read"] >= 5000 // 4

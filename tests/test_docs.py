@@ -130,3 +130,42 @@ def test_the_defaults_the_docs_quote_are_the_codes() -> None:
 def test_the_default_check_would_see_a_changed_default() -> None:
     changed = [(doc, phrase.replace("8", "9")) for doc, phrase, _ in quoted_defaults() if "full_every=8" in phrase]
     assert changed and all(phrase not in (ROOT / "docs" / doc).read_text() for doc, phrase in changed)
+
+
+def test_the_configuration_reference_is_the_dataclasses_rendered() -> None:
+    from tools import config_reference
+
+    text = config_reference.DOC.read_text()
+    assert text == config_reference.updated(text), (
+        "docs/configuration.md's reference is out of date with the config dataclasses: "
+        "run `python -m tools.config_reference --write`")
+
+
+def test_the_reference_check_sees_a_stale_default_and_a_field_without_doc() -> None:
+    import dataclasses
+
+    from tools import config_reference
+
+    text = config_reference.DOC.read_text()
+    row = "| `keep_last` | `int` | `2` |"
+    stale = text.replace(row, row.replace("`2`", "`3`"))
+    assert row in text and stale != text and config_reference.updated(stale) == text
+
+    @dataclasses.dataclass(kw_only=True)
+    class Undocumented:
+        documented: int = 1
+        """A field with its doc."""
+        bare: int = 2
+
+    with pytest.raises(ValueError, match=r"bare"):
+        config_reference.table(Undocumented, "nowhere")
+
+
+def test_the_reference_names_where_users_import_each_class() -> None:
+    import importlib
+
+    from tools import config_reference
+
+    for cls, where in config_reference.CLASSES:
+        module, _, name = where.rpartition(".")
+        assert getattr(importlib.import_module(module), name) is cls, where

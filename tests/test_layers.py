@@ -11,9 +11,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ray_checkfreq"
 # Lowest first. Shared by all: errors (exceptions only). The package's __init__ and the
-# front ends at the top (chaos, bench, cli) may import anything below them.
-LAYERS = ["errors", "codec", "storage", "engine", "data", "ray", "chaos", "bench", "cli"]
-SIDEWAYS_OK = {("bench", "chaos"), ("cli", "chaos")}  # front ends beside each other
+# front ends at the top (chaos, cli) may import anything below them. The repository's
+# top-level benchmarks/ package sits above all of it and is never imported by the library.
+LAYERS = ["errors", "codec", "storage", "engine", "data", "ray", "chaos", "cli"]
+SIDEWAYS_OK = {("cli", "chaos")}  # front ends beside each other
 RAY_FREE = ("codec", "storage", "engine")
 
 
@@ -76,6 +77,13 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
     module.write_text("def f():\n    from ray_checkfreq.ray.session import CheckFreq\n")
     found = upward_imports([module], root=tmp_path / "ray_checkfreq")
     assert found == ["ray_checkfreq/storage/sneaky.py:2: storage imports ray_checkfreq.ray.session"]
+
+
+def test_the_library_never_imports_the_benchmarks() -> None:
+    # The CLI's `bench` loads benchmarks/ by name at run time (importlib), from a checkout only.
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {module}" for path in source_files()
+             for line, module in imports_of(path) if module.split(".")[0] == "benchmarks"]
+    assert found == []
 
 
 @pytest.mark.parametrize("layer", RAY_FREE)

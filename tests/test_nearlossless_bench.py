@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_checkfreq.bench import minilm, nearlossless
-from ray_checkfreq.bench.codec import main as bench_codec_main
+from benchmarks import minilm, nearlossless
+from benchmarks.codec import main as bench_codec_main
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "man", "is", "playing", "guitar", "how", "do", "i", "reset",
          "my", "password", "rain", "##s", "##ing", "play", "market", "fell", ".", "?", "!", ","]

@@ -24,15 +24,21 @@ TRAIN_RESOURCE = "rcf_train"
 ITERATIONS = 40
 
 
+TRAIN_NODES = 5
+
+
 @pytest.fixture(scope="module")
-def train_nodes(ray_cluster):
-    """The session cluster's one-CPU nodes for Train workers (conftest adds them all at start)."""
-    yield ray_cluster
+def train_nodes():
+    """This module's own cluster: its one-CPU nodes for Train workers, all added at start."""
+    from conftest import own_cluster
+
+    with own_cluster(TRAIN_NODES) as cluster:
+        yield cluster
 
 
 def require_train_nodes(cluster, count: int) -> None:
     """Tests only remove nodes (adding one late in a run failed): the order of the tests
-    below spends the session's 5 nodes, the drain and node-loss tests one each."""
+    below spends the module's 5 nodes, the drain and node-loss tests one each."""
     have = len(cluster.worker_nodes)
     assert have >= count, f"{have} Train nodes, this test needs {count}"
 

@@ -47,11 +47,19 @@ class RayDataOptions:
     """``chunk_rows`` should not exceed the block size (a chunk fetches 1-2 blocks)."""
 
     chunk_rows: int = 256
+    """Rows per chunk; at most the block size."""
     window_chunks: int = 64
+    """Chunks per shuffle window."""
     prefetch: bool = True
+    """Read the next window on a thread."""
     dtypes: torch.dtype | dict[str, torch.dtype] | None = None
+    """A torch dtype, or one per column."""
     device: str = "cpu"
+    """Where the batches go."""
     read: str = "local"
+    """``"local"``: fetch each window's blocks, zero-copy on one node; ``"remote"``: a task on each block's node
+    takes out this rank's rows, so on several nodes a node receives only its own samples' bytes, at a task round
+    trip per window."""
 
     def __post_init__(self) -> None:
         if self.chunk_rows < 1:

@@ -24,11 +24,17 @@ from ray_checkfreq.data.seeds import sample_rng
 @dataclass(frozen=True, kw_only=True)
 class TorchLoaderOptions:
     num_workers: int = 2
+    """DataLoader worker processes."""
     collate_fn: Callable[[list[Any]], Any] | None = None
+    """Builds a batch from samples (None: torch's default)."""
     pin_memory: bool = False
+    """Pinned host memory for the batches."""
     prefetch_factor: int | None = None
+    """Batches loaded ahead per worker (None: torch's default)."""
     multiprocessing_context: str | None = None
+    """How workers start (None: torch's default)."""
     timeout_s: float = 0.0
+    """Seconds to wait for a worker's batch (0: no timeout)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:

@@ -33,18 +33,31 @@ from ray_checkfreq.engine.measured import PAUSE_FACTOR, Sample, Stretch, measure
 @dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig:
     window_iters: int = 50
+    """Iterations per adaptation window (at least ``min_checkpoints_per_window`` x k)."""
     min_checkpoints_per_window: int = 3
+    """Checkpoints a window spans at least."""
     raise_to: float = 0.8
+    """After an overhead above p, k is raised to aim at this fraction of p."""
     lower_below: float = 0.5
+    """An overhead below this fraction of p lowers k ..."""
     lower_to: float = 0.7
+    """... to aim at this fraction of p."""
     patience: int = 2
+    """k rises on the pooled overhead of the last ``patience`` to ``smooth_windows`` windows since it last changed."""
     max_raise_factor: float = 1.5
+    """k's largest step up (a factor)."""
     max_lower_factor: float = 1.25
+    """k's largest step down (a factor)."""
     pause_factor: float = PAUSE_FACTOR
+    """Iterations this many times the quiet one are pauses, left out of the figures."""
     min_quiet_iters: int = 5
+    """Quiet iterations a window needs for its own reference."""
     k_max: int = 1_000_000
+    """The largest k, in iterations."""
     confidence: float = 1.0
+    """k changes only when the overhead is beyond the threshold by this many standard errors."""
     smooth_windows: int = 3
+    """k falls only on this many windows (and rises on at most this many)."""
 
     def __post_init__(self) -> None:
         if self.window_iters < 1 or self.min_checkpoints_per_window < 1 or self.patience < 1:

@@ -25,17 +25,31 @@ class CheckFreqConfig:
     """
 
     overhead: float = 0.035
+    """p, the fraction of training time checkpoints may cost."""
     every: int | None = None
+    """A fixed k in iterations; None: the policy picks k from a profile and adapts it."""
     epoch_len: int | None = None
+    """Iterations per epoch (checkpoint at every epoch end; sizes the profiling window)."""
     profile_iters: int | None = None
+    """Quiet iterations timed before the profiling checkpoints (None: 1 % of an epoch, at least 2, at most 50; 50
+    without ``epoch_len``)."""
     mtbf_s: float | None = None
+    """Mean time between failures, seconds: bounds k by Young/Daly's interval."""
     adaptive: bool = True
+    """Adapt k at run time."""
     adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    """How k adapts (``AdaptiveConfig``)."""
     checkpoint_epoch_end: bool = True
+    """Also checkpoint at every epoch end."""
     reuse_profile: bool = True
+    """Reuse the profile cached in the store when its fingerprint matches."""
     compress: bool | None = None
+    """None: measure whether compression pays; True / False force it."""
     max_lost_fraction: float | None = 0.25
+    """With ``epoch_len``: k at most this fraction of an epoch, even over p (unless under ``lost_work_floor_s``);
+    None: no bound."""
     lost_work_floor_s: float = 10.0
+    """Seconds: the lost-work bound never asks for k under this much work."""
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:

@@ -60,9 +60,13 @@ class RegistrationConfig:
     """
 
     every: int | None = None
+    """A fixed interval in iterations; None: from the measured report cost."""
     overhead_share: float = 0.25
+    """Share of p the report barrier may take."""
     report_s: float = 2.0
+    """Seconds: the report cost assumed until measured."""
     min_interval_s: float = 2.0
+    """Seconds: at most one report per this."""
 
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)

@@ -78,18 +78,32 @@ class RayConfig:
     """
 
     restart_wait_s: float = 120.0
+    """Seconds a restart waits for the node agents' persists in flight."""
     restart_warn_every_s: float = 15.0
+    """Seconds between warnings while it waits."""
     agent_lease_s: float = 600.0
+    """Seconds after which an agent (or the policy actor) nobody renewed exits (runs without
+    ``CheckFreqCallback``)."""
     slots: int = 2
+    """Shared-memory slots per node agent: 2 (A/B) or 1 (half the RAM)."""
     shm_dir: str = "/dev/shm"
+    """Where the slot files live."""
     use_agents: bool = True
+    """False: no node agents, rank 0 persists in its own process."""
     watch_preemption: bool = True
+    """Act on drain notices (checkpoint and stop before the deadline)."""
     drain_poll_s: float = 0.5
+    """Seconds between polls of the nodes' drain state."""
     replica_wait_s: float = 30.0
+    """Seconds a draining rank 0 waits for another node's replica to be sealed."""
     registration: RegistrationConfig | None = field(default_factory=RegistrationConfig)
+    """When pointer checkpoints are reported to Ray Train (None: never)."""
     metrics_every_s: float | None = 5.0
+    """Seconds between records of the Ray metrics (None: never)."""
     shared_policy: bool = True
+    """k adapts in the run's policy actor (False: on rank 0 alone)."""
     replicas: bool = True
+    """A RAM copy on every node (False: on rank 0's node only)."""
 
     def __post_init__(self) -> None:
         for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s", "drain_poll_s", "replica_wait_s"):

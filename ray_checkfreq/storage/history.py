@@ -43,8 +43,12 @@ class HistoryTrim:
     to ``full_every - 1`` copies stored as XOR deltas against it (1: no deltas)."""
 
     precision_factor: int | float | None = None
+    """B, a power of two: values of a tensor within [-1, 1] rounded to multiples of 1/B (error <= 1/(2B)); exactly
+    one of this and ``precision_bits``."""
     precision_bits: int | None = None
+    """Mantissa bits kept (relative error <= 2^-bits)."""
     full_every: int = 4
+    """A full trimmed copy, then up to ``full_every - 1`` copies stored as XOR deltas against it (1: no deltas)."""
 
     def __post_init__(self) -> None:
         if (self.precision_factor is None) == (self.precision_bits is None):

@@ -93,15 +93,27 @@ class StoreConfig:
     """How a CheckpointStore writes and what it keeps."""
 
     keep_last: int = 2
+    """Newest checkpoints kept."""
     keep_epoch_boundaries: bool = True
+    """Also keep every epoch-boundary checkpoint."""
     shard_size_bytes: int = 64 * MiB
+    """Bytes per shard file."""
     io_threads: int = 4
+    """Parallel shard writes and reads (a local filesystem writes one shard at a time: parallel writes there cost CPU
+    and gain nothing)."""
     codec: str = "rcfz"
+    """``"rcfz"`` (byte grouping + zstd) or ``"raw"``."""
     codec_level: int | None = None
+    """zstd level (None: the codec's default)."""
     codec_threads: int | None = None
+    """Encoder threads (None: the codec's default)."""
     full_every: int = 8
+    """A full checkpoint at least every N saves, XOR deltas between (1: no deltas)."""
     history_trim: HistoryTrim | None = None  # keep history checkpoints near-lossless (history.py)
+    """A ``HistoryTrim``: keep epoch-boundary history near-lossless."""
     direct_io: bool = True  # local stores: large shards around the page cache (backends/direct.py)
+    """Local stores: shards of 1 MiB and more written around the page cache (``O_DIRECT``) where the filesystem takes
+    it; False: buffered writes (e.g. a network filesystem where direct writes are slow)."""
 
     def __post_init__(self) -> None:
         if self.history_trim is not None and not isinstance(self.history_trim, HistoryTrim):

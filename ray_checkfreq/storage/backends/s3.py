@@ -40,12 +40,19 @@ class S3Options:
     """
 
     endpoint_url: str | None = None
+    """The S3 endpoint (None: AWS's)."""
     region: str | None = None
+    """None: from the AWS environment and config files."""
     retry_mode: str | None = None
+    """``"legacy"``, ``"standard"`` or ``"adaptive"`` (None: ``AWS_RETRY_MODE``, else standard)."""
     max_attempts: int | None = None
+    """None: ``AWS_MAX_ATTEMPTS``, else 8."""
     multipart_threshold_bytes: int = 64 * MiB
+    """Objects from this size up are uploaded in parts."""
     multipart_chunksize_bytes: int = 16 * MiB
+    """Bytes per part (at least 5 MiB)."""
     max_concurrency: int = 8
+    """Parallel part transfers."""
 
     def __post_init__(self) -> None:
         if self.retry_mode is not None and self.retry_mode not in _RETRY_MODES:

@@ -15,11 +15,10 @@ moments) plus small biases, laid out as in a slot (page-aligned mapping), stored
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import mmap
 import os
-import resource
 import shutil
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import add_json_argument, cpu_s, interleave, write_json
 from ray_checkfreq.ray import slots
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.arrays import leaf_bytes
@@ -37,14 +37,13 @@ from ray_checkfreq.storage.tree import flatten_state
 VARIANTS = {"page_cache": (False, False), "page_cache_seal_crc": (False, True), "direct": (True, False),
             "direct_seal_crc": (True, True)}
 BASELINE = "page_cache"
-MiB = 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=int, default=96, help="state size in MiB (default 96, as bench ray)")
     parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds (default 6; the first is warm-up)")
     parser.add_argument("--dir", default=None, help="local directory to write into (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
 
 
 def slot_like_state(size_mb: int) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
@@ -62,22 +61,17 @@ def slot_like_state(size_mb: int) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
     return state, pages
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def measure(state: dict, root: str, repeats: int) -> dict[str, list[dict]]:
     seal_crcs = [crc32(leaf_bytes(leaf)) for leaf in flatten_state(state).leaves]
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    for _ in range(repeats):
-        for name, (direct, given) in VARIANTS.items():
-            shutil.rmtree(root, ignore_errors=True)
-            store = CheckpointStore(root, full_every=1, direct_io=direct)
-            cpu, wall = _cpu_s(), time.perf_counter()
-            store.save(1, state, codec="raw", raw_crc32=seal_crcs if given else None)
-            runs[name].append({"cpu_s": _cpu_s() - cpu, "wall_s": time.perf_counter() - wall})
-    return runs
+
+    def persist(direct: bool, given: bool) -> dict:
+        shutil.rmtree(root, ignore_errors=True)
+        store = CheckpointStore(root, full_every=1, direct_io=direct)
+        cpu, wall = cpu_s(), time.perf_counter()
+        store.save(1, state, codec="raw", raw_crc32=seal_crcs if given else None)
+        return {"cpu_s": cpu_s() - cpu, "wall_s": time.perf_counter() - wall}
+
+    return interleave({name: functools.partial(persist, *flags) for name, flags in VARIANTS.items()}, repeats)
 
 
 def summarize(runs: dict[str, list[dict]], size_mb: int) -> dict[str, Any]:
@@ -109,7 +103,5 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(root if args.dir else base, ignore_errors=True)
     del state, pages
     print_table(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.json, figures)
     return 0

@@ -25,32 +25,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("codec", "stall", "overhead", "iterator", "restore", "persist", "ray")
-DEFAULT_TIMEOUT_S = 3600.0
+from benchmarks.cases import BY_NAME, SECTIONS
 
-# Small defaults: minutes each on 2 cores. The README's figures come from longer runs.
-DEFAULT_ARGS: dict[str, list[str]] = {
-    "codec": ["--repeats", "3", "--threads", "1", "--no-delta"],
-    "stall": ["--params-m", "25", "--batch", "64", "--every", "4", "--checkpoints", "3"],
-    "overhead": ["--threads", "1", "--width", "1024", "--iterations", "300", "--first", "100", "--every", "10",
-                 "--every-iters", "200", "--phase-iters", "100", "--slow-s", "1"],
-    "iterator": ["--rows", "50000", "--blocks", "20", "--repeats", "2", "--num-samples", "1000000000",
-                 "--order-repeats", "2"],
-    "restore": ["--state-mb", "50", "--repeats", "3"],
-    "persist": ["--size-mb", "96", "--repeats", "4"],
-    "ray": ["--state-mb", "50", "--iterations", "30", "--repeats", "2"],
-}
-# The smallest settings that still exercise every part (a smoke test, not figures to quote).
-QUICK_ARGS: dict[str, list[str]] = {
-    "codec": ["--repeats", "1", "--threads", "1", "--methods", "ours", "--no-delta"],
-    "stall": ["--params-m", "1", "--batch", "8", "--every", "2", "--checkpoints", "2"],
-    "overhead": ["--iterations", "40", "--first", "20", "--epoch-len", "200", "--every-iters", "6", "--every", "3",
-                 "--phase-iters", "12", "--width", "64", "--block", "10", "--slow-s", "0.02"],
-    "iterator": ["--rows", "4000", "--blocks", "4", "--repeats", "1", "--positions", "0.5", "--shuffle-buffer", "500"],
-    "restore": ["--state-mb", "3", "--repeats", "1", "--no-s3"],
-    "persist": ["--size-mb", "8", "--repeats", "2"],
-    "ray": ["--state-mb", "2", "--iterations", "8", "--warmup", "4", "--repeats", "1", "--every", "4"],
-}
+DEFAULT_TIMEOUT_S = 3600.0
 
 
 @dataclass(kw_only=True)
@@ -77,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ray_checkfreq.bench.machine import machine_info
-    from ray_checkfreq.bench.report import write_reports
+    from benchmarks.harness import machine_info
+    from benchmarks.report import write_reports
 
     sections = _sections(args.only)
     extra = _extra_flags(args.extra)
@@ -138,7 +115,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 def section_args(name: str, args: argparse.Namespace, extra: list[str]) -> tuple[list[str], list[str]]:
     """The benchmark's flags, and notes on what was chosen for it."""
-    flags = list((QUICK_ARGS if args.quick else DEFAULT_ARGS)[name])
+    case = BY_NAME[name]
+    flags = list(case.quick if args.quick else case.small)
     notes = []
     if name == "codec" and "--input" not in extra and (args.quick or not _has_minilm()):
         flags += ["--input", str(synthetic_codec_input(args.out))]

@@ -7,7 +7,7 @@ lie in [-1, 1] rounded to multiples of 1/B, the others kept exact) and the relat
 precision_bits = 16, 12, 8. Decoded weights are checked against each mode's bound. With a
 BERT model (all-MiniLM-L6-v2 by default: ``config.json`` and ``vocab.txt`` next to the
 weights), sentence embeddings of ``SENTENCES`` (mean pooling of the last hidden state, as
-sentence-transformers does for this model; :mod:`ray_checkfreq.bench.minilm`) are computed
+sentence-transformers does for this model; :mod:`benchmarks.minilm`) are computed
 with the original and with the decoded weights: the cosine similarity of each pair, and
 how much the similarity between any two sentences moved.
 """
@@ -15,18 +15,16 @@ how much the similarity between any two sentences moved.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import minilm
+from benchmarks.harness import rounds, stopwatch, write_json
 from ray_checkfreq import codec
-from ray_checkfreq.bench import minilm
 
 SETTINGS: list[tuple[str, dict[str, int]]] = [
     ("lossless", {}),
@@ -88,27 +86,23 @@ def time_settings(tensors: dict[str, torch.Tensor], threads: int, repeats: int) 
     rows: dict[str, dict[str, Any]] = {name: {"setting": name, **setting, "threads": threads, "encode_s": [],
                                               "decode_s": [], "encode_cpu_s": [], "decode_cpu_s": []}
                                        for name, setting in SETTINGS}
-    for round_no in range(repeats):
-        for name, setting in SETTINGS[::-1 if round_no % 2 else 1]:
-            row = rows[name]
-            gc.collect()
-            t0, c0 = time.perf_counter(), time.process_time()
+    for _, (name, setting) in rounds(SETTINGS, repeats, alternate=True, collect=True):
+        row = rows[name]
+        with stopwatch() as encoding:
             blobs = _encode_all(tensors, setting, threads)
-            t1, c1 = time.perf_counter(), time.process_time()
+        with stopwatch() as decoding:
             decoded = _decode_all(blobs, threads)
-            t2, c2 = time.perf_counter(), time.process_time()
-            row["encode_s"].append(t1 - t0)
-            row["decode_s"].append(t2 - t1)
-            row["encode_cpu_s"].append(c1 - c0)  # CPU time of all threads: what the work cost,
-            row["decode_cpu_s"].append(c2 - c1)  # less sensitive than wall time to other load
-            row["ratio_pct"] = 100 * sum(len(b) for b in blobs.values()) / raw
-            row["tensors"] = len(blobs)
-            rounded = [k for k, b in blobs.items() if codec.blob_info(b)["precision_factor_rounded"]]
-            row["tensors_rounded"] = len(rounded)
-            row["bytes_rounded_pct"] = 100 * sum(tensors[k].numel() * tensors[k].element_size()
-                                                 for k in rounded) / raw
-            row["bound_held"] = all(_within_bound(tensors[k], decoded[k], setting) for k in tensors)
-            row["decoded"] = decoded  # the last round's, for the accuracy columns (dropped from JSON)
+        for what, lap in (("encode", encoding), ("decode", decoding)):
+            row[f"{what}_s"].append(lap.wall_s)
+            row[f"{what}_cpu_s"].append(lap.cpu_s)  # all threads: what the work cost
+        row["ratio_pct"] = 100 * sum(len(b) for b in blobs.values()) / raw
+        row["tensors"] = len(blobs)
+        rounded = [k for k, b in blobs.items() if codec.blob_info(b)["precision_factor_rounded"]]
+        row["tensors_rounded"] = len(rounded)
+        row["bytes_rounded_pct"] = 100 * sum(tensors[k].numel() * tensors[k].element_size()
+                                             for k in rounded) / raw
+        row["bound_held"] = all(_within_bound(tensors[k], decoded[k], setting) for k in tensors)
+        row["decoded"] = decoded  # the last round's, for the accuracy columns (dropped from JSON)
     for row in rows.values():
         for what in ("encode", "decode", "encode_cpu", "decode_cpu"):
             row[f"{what}_gbps_median"] = raw / statistics.median(row[f"{what}_s"]) / 1e9
@@ -163,10 +157,8 @@ def run(args: argparse.Namespace, path: Path) -> int:
     print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for row in rows.values():
         row.pop("decoded")
-    if args.json:
-        args.json.write_text(json.dumps({"input": str(path), "threads": threads, "repeats": args.repeats,
-                                         "sentences": SENTENCES, "near_lossless": list(rows.values())},
-                                        indent=2))
+    write_json(args.json, {"input": str(path), "threads": threads, "repeats": args.repeats,
+                           "sentences": SENTENCES, "near_lossless": list(rows.values())})
     return 0 if all(r["bound_held"] for r in rows.values()) else 1
 
 

@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-from ray_checkfreq.bench import ray_bench_job as job
+from benchmarks import ray_bench_job as job
+from benchmarks.harness import add_json_argument, spread, write_json
 
 TRAIN_RESOURCE = "rcf_bench_train"
 SPEEDUP_TARGET = 5.0
@@ -57,20 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "machine's temporary directory (a cluster on this machine), and 2 CPUs must be free")
     parser.add_argument("--worker-resource", default=None,
                         help="a custom resource each of the 2 workers also asks 1 of (with --address: places them)")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     figures = run_ray_bench(args)
     print_table(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.json, figures)
     return 0
 
 
 def job_config(args: argparse.Namespace, work_dir: str) -> dict:
-    from ray_checkfreq.bench.restore_state import mlp_shape
+    from benchmarks.restore_state import mlp_shape
 
     for name in ("state_mb", "batch", "iterations", "warmup", "repeats", "epoch_len", "policy_max_iterations"):
         if getattr(args, name) < 1:
@@ -170,10 +169,6 @@ def _fit(config: dict, work_dir: str) -> None:
 
 
 # ------------------------------------------------------------------ figures
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
-
-
 def summarize(results: list[dict], config: dict) -> dict:
     """Per variant: timed seconds and overhead against the same round's baseline."""
     variants = [r for r in results if r["kind"] == "variant"]
@@ -183,10 +178,10 @@ def summarize(results: list[dict], config: dict) -> dict:
     for name in job.VARIANTS:
         runs = [r for r in variants if r["variant"] == name and r["repeat"] in reference]
         per_variant[name] = {
-            "seconds": _spread([r["seconds"] for r in runs]),
-            "seconds_per_iteration": _spread([r["seconds"] / r["iterations"] for r in runs]),
-            "overhead": _spread([r["seconds"] / r["iterations"] / reference[r["repeat"]] - 1 for r in runs]),
-            "above_own_median": _spread([above_own_median(r["iteration_ends_s"]) for r in runs
+            "seconds": spread([r["seconds"] for r in runs]),
+            "seconds_per_iteration": spread([r["seconds"] / r["iterations"] for r in runs]),
+            "overhead": spread([r["seconds"] / r["iterations"] / reference[r["repeat"]] - 1 for r in runs]),
+            "above_own_median": spread([above_own_median(r["iteration_ends_s"]) for r in runs
                                          if r.get("iteration_ends_s")] or [math.nan]),
             "checkpoints": [r["checkpoints"] for r in runs],
             "k": [r.get("k_used", r["k"]) for r in runs],

@@ -21,7 +21,6 @@ decided by measurement, as a user who fixes k gets it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import add_json_argument, write_json
 from ray_checkfreq.engine import CheckFreq
 from ray_checkfreq.engine.snapshot import tensors_in
 from ray_checkfreq.storage import CheckpointStore
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="baseline + method pairs per method")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
 
 
 def build(params_m: float, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
@@ -230,10 +230,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     _print(params, state_bytes, step_s, args, results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"params": params, "state_bytes": state_bytes, "step_s": step_s, "every": args.every,
-                       "results": results}, f, indent=2)
+    write_json(args.json, {"params": params, "state_bytes": state_bytes, "step_s": step_s, "every": args.every,
+                       "results": results})
     return 0
 
 

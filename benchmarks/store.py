@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
-import socket
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.harness import MiB, add_json_argument, median_seconds, moto_server, write_json
 from ray_checkfreq.storage import CheckpointStore
-
-MiB = 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is kept")
     parser.add_argument("--dir", default=None, help="local directory to write into (default: a temp dir)")
     parser.add_argument("--s3", action="store_true", help="also measure against a loopback moto S3 server")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
 
 
 def make_state(size_mb: int) -> dict:
@@ -49,17 +44,6 @@ def make_state(size_mb: int) -> dict:
         remaining -= numel
         index += 1
     return {"model": tensors, "step": 1}
-
-
-def _median_seconds(action: Callable[[], object], repeat: int, before: Callable[[], None] | None = None) -> float:
-    times = []
-    for _ in range(repeat):
-        if before:
-            before()
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _torch_save_fsync(state: dict, path: str) -> None:
@@ -77,8 +61,8 @@ def _ours(open_store: Callable[[str], CheckpointStore], state: dict, repeat: int
     for codec in CODECS:
         store = open_store(codec)
         steps = iter(range(10**9))
-        figures[f"{codec}_save_s"] = _median_seconds(lambda: store.save(next(steps), state), repeat)  # noqa: B023
-        figures[f"{codec}_load_s"] = _median_seconds(store.load, repeat)
+        figures[f"{codec}_save_s"] = median_seconds(lambda: store.save(next(steps), state), repeat)  # noqa: B023
+        figures[f"{codec}_load_s"] = median_seconds(store.load, repeat)
         latest = store.latest()
         assert latest is not None, f"nothing committed in {store.uri}"
         figures[f"{codec}_stored_bytes"] = latest.size_bytes
@@ -89,35 +73,20 @@ def bench_local(state: dict, root: str, repeat: int) -> dict:
     pt_path = os.path.join(root, "baseline.pt")
     figures = _ours(lambda codec: CheckpointStore(os.path.join(root, codec), keep_last=1, codec=codec,
                                                   full_every=1), state, repeat)
-    figures["torch_save_s"] = _median_seconds(lambda: _torch_save_fsync(state, pt_path), repeat)
-    figures["torch_load_s"] = _median_seconds(lambda: torch.load(pt_path, weights_only=True), repeat)
+    figures["torch_save_s"] = median_seconds(lambda: _torch_save_fsync(state, pt_path), repeat)
+    figures["torch_load_s"] = median_seconds(lambda: torch.load(pt_path, weights_only=True), repeat)
     for codec in CODECS:
         shutil.rmtree(os.path.join(root, codec), ignore_errors=True)
     return figures
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench_s3(state: dict, repeat: int) -> dict:
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    try:
+    from ray_checkfreq.storage import S3Options
+
+    with moto_server() as endpoint:
         client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="bench")
-        from ray_checkfreq.storage import S3Options
-
         options = S3Options(endpoint_url=endpoint)
 
         def torch_upload() -> None:
@@ -134,11 +103,9 @@ def bench_s3(state: dict, repeat: int) -> dict:
 
         figures = _ours(lambda codec: CheckpointStore(f"s3://bench/{codec}", keep_last=1, codec=codec,
                                                       full_every=1, s3=options), state, repeat)
-        figures["torch_save_s"] = _median_seconds(torch_upload, repeat)
-        figures["torch_load_s"] = _median_seconds(torch_download, repeat)
+        figures["torch_save_s"] = median_seconds(torch_upload, repeat)
+        figures["torch_load_s"] = median_seconds(torch_download, repeat)
         return figures
-    finally:
-        server.stop()
 
 
 def _print_table(size_mb: int, results: dict[str, dict]) -> None:
@@ -168,9 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     _print_table(args.size_mb, results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"size_mb": args.size_mb, "results": results}, f, indent=2)
+    write_json(args.json, {"size_mb": args.size_mb, "results": results})
     return 0
 
 

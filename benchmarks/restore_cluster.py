@@ -9,7 +9,6 @@ on B). Each node's object store holds at least 3x the state.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 from typing import Any
@@ -18,7 +17,8 @@ import numpy as np
 import ray
 import torch
 
-from ray_checkfreq.bench import restore_state
+from benchmarks import restore_state
+from benchmarks.harness import free_port
 
 MiB = 1024 * 1024
 
@@ -127,12 +127,6 @@ def _tensor_views(state: Any) -> Any:
     return state
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class OtherNode:
     """A 2-node ``cluster_utils.Cluster`` in this process, a slot on node A, a restorer on node B."""
 
@@ -154,7 +148,7 @@ class OtherNode:
         nodes = ray.get([self.holder.node_id.remote(), self.restorer.node_id.remote()])
         if nodes[0] == nodes[1]:
             raise RuntimeError(f"both actors landed on node {nodes[0]}")
-        port = _free_port()
+        port = free_port()
         ray.get([self.holder.join_group.remote(port, 0), self.restorer.join_group.remote(port, 1)])
 
     @staticmethod

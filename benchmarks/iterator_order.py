@@ -121,7 +121,7 @@ def child(case: Case, batch_size: int, world_size: int) -> dict[str, Any]:
 
 def _run_child(case: Case, cfg: OrderBenchConfig) -> dict[str, Any]:
     spec = json.dumps({"case": asdict(case), "batch_size": cfg.batch_size, "world_size": cfg.world_size})
-    out = subprocess.run([sys.executable, "-m", "ray_checkfreq.bench.iterator_order", spec],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.iterator_order", spec],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"order bench child {case} failed:\n{out.stderr[-2000:]}")

@@ -37,7 +37,7 @@ def _one_cluster(nodes: int, cfg: Any) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
     from ray.experimental import get_object_locations
 
-    from ray_checkfreq.bench.iterator_dataset import bench_dataset
+    from benchmarks.iterator_dataset import bench_dataset
     from ray_checkfreq.data.ray_data import block_layout
 
     cluster = Cluster(initialize_head=True, head_node_args={

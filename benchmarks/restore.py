@@ -21,21 +21,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
-import logging
 import mmap
 import os
-import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ray_checkfreq.bench import restore_state
+from benchmarks import restore_state
+from benchmarks.harness import add_json_argument, moto_server, rounds, write_json
 
 TARGET_RATIO = 5.0
 OWN_SLOT = "own-node slot"
@@ -52,16 +50,14 @@ class Source:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-mb", type=int, default=100, help="model + Adam state in MiB (default 100)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
     parser.add_argument("--no-s3", action="store_true", help="skip the loopback S3 sources")
 
 
 def run(args: argparse.Namespace) -> int:
     figures = run_restore_bench(state_mb=args.state_mb, repeats=args.repeats, s3=not args.no_s3)
     print_table(figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.json, figures)
     return 0
 
 
@@ -83,7 +79,7 @@ def run_restore_bench(*, state_mb: int, repeats: int, s3: bool) -> dict:
 
 def _sources(stack: contextlib.ExitStack, state_mb: int, reference: dict, nbytes: int,
              s3: bool) -> tuple[list[Source], dict]:
-    from ray_checkfreq.bench.restore_cluster import OtherNode
+    from benchmarks.restore_cluster import OtherNode
 
     workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="rcf-bench-restore-"))
     slot_dir = restore_state.slot_directory(nbytes)
@@ -97,7 +93,7 @@ def _sources(stack: contextlib.ExitStack, state_mb: int, reference: dict, nbytes
     local = [_local_store(os.path.join(workdir, codec), codec, reference, target) for codec in ("raw", "rcfz")]
     sources += [source for source, _ in local]
     if s3:
-        endpoint = stack.enter_context(_moto_server())
+        endpoint = stack.enter_context(moto_server())
         sources += [_s3_store(endpoint, codec, reference, target) for codec in ("raw", "rcfz")]
     return sources, page_cache_check(local[0][1])
 
@@ -148,28 +144,6 @@ def _s3_store(endpoint: str, codec: str, reference: dict, target: restore_state.
     uri = f"s3://bench/{codec}"
     CheckpointStore(uri, keep_last=1, codec=codec, full_every=1, s3=options).save(1, reference)
     return _store_source(f"s3 {codec} (loopback moto)", lambda: CheckpointStore(uri, s3=options), target, reference)
-
-
-@contextlib.contextmanager
-def _moto_server() -> Iterator[str]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                       ("AWS_DEFAULT_REGION", "us-east-1")):
-        os.environ.setdefault(key, value)
-    try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-        yield endpoint
-    finally:
-        server.stop()
 
 
 # ------------------------------------------------------------------ page cache
@@ -231,13 +205,12 @@ def page_cache_check(root: str) -> dict:
 def _interleaved(sources: list[Source], repeats: int) -> dict[str, dict]:
     """One untimed warm-up round (first-call costs), then ``repeats`` timed ones; every restore checked."""
     results: dict[str, dict] = {s.name: {"times_s": [], "identical": True} for s in sources}
-    for round_index in range(repeats + 1):
-        for source in sources:
-            seconds = source.restore()
-            entry = results[source.name]
-            if round_index:
-                entry["times_s"].append(seconds)
-            entry["identical"] = entry["identical"] and source.check()
+    for number, source in rounds(sources, repeats, warmup=1):
+        seconds = source.restore()
+        entry = results[source.name]
+        if number >= 0:
+            entry["times_s"].append(seconds)
+        entry["identical"] = entry["identical"] and source.check()
     return results
 
 

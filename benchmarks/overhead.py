@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import signal
@@ -51,6 +50,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import add_json_argument, write_json
 from ray_checkfreq.engine import CheckFreq
 from ray_checkfreq.storage import CheckpointStore
 
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs of --noisy")
     parser.add_argument("--hog-procs", type=int, default=2, help="--noisy: processes spinning a core each")
     parser.add_argument("--hog-period-s", type=float, default=3.0, help="--noisy: the load is on, then off, this long")
-    parser.add_argument("--json", default=None, help="write the figures to this file")
+    add_json_argument(parser)
 
 
 class ThrottledStore(CheckpointStore):
@@ -387,9 +387,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     _print(args, figures)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    write_json(args.json, figures)
     return 0
 
 

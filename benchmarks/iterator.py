@@ -15,7 +15,6 @@ Measures, on one materialized dataset in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -24,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ray_checkfreq.bench.iterator_dataset import bench_dataset
+from benchmarks.harness import add_json_argument, write_json
+from benchmarks.iterator_dataset import bench_dataset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,11 +232,11 @@ def _ids_of(ref: Any) -> np.ndarray:
 def format_report(result: dict[str, Any]) -> str:
     lines = []
     if "order" in result:
-        from ray_checkfreq.bench.iterator_order import format_order
+        from benchmarks.iterator_order import format_order
 
         lines += [*format_order(result["order"]), ""]
     if "nodes" in result:
-        from ray_checkfreq.bench.iterator_nodes import format_nodes
+        from benchmarks.iterator_nodes import format_nodes
 
         lines += [*format_nodes(result["nodes"]), ""]
     if "throughput_samples_per_s" in result:
@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=1, help="ranks the order is sharded over (rank 0 runs)")
     parser.add_argument("--order-repeats", type=int, default=3)
     parser.add_argument("--nodes", help="also per-node reads on local clusters of these node counts, e.g. 2,4")
-    parser.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    add_json_argument(parser)
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -302,14 +302,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     result: dict[str, Any] = {}
     if args.num_samples is not None:  # before Ray starts: the children have the machine
-        from ray_checkfreq.bench.iterator_order import OrderBenchConfig, measure_order
+        from benchmarks.iterator_order import OrderBenchConfig, measure_order
 
         result["order"] = measure_order(OrderBenchConfig(
             num_samples=args.num_samples, compare_samples=args.compare_samples,
             measure_samples=args.measure_samples, batch_size=args.batch_size, world_size=args.world_size,
             repeats=args.order_repeats))
     if args.nodes:  # clusters of their own, before the single-node one
-        from ray_checkfreq.bench.iterator_nodes import measure_nodes
+        from benchmarks.iterator_nodes import measure_nodes
 
         result["nodes"] = measure_nodes(tuple(int(n) for n in args.nodes.split(",")), cfg)
     if not args.demo_only:
@@ -330,9 +330,7 @@ def run(args: argparse.Namespace) -> int:
                 ray.shutdown()
     result["before_after"] = before_after()
     print(format_report(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return 0
 
 
