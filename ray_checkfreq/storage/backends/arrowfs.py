@@ -113,9 +113,8 @@ class ArrowBackend(Backend):
                 length = max(0, min(length, f.size() - offset))
                 buffer = uninitialized_buffer(length)
                 if length:
-                    data = f.read_at(length, offset)
-                    buffer[:data.size] = memoryview(data)
-                    buffer = buffer[:data.size]
+                    f.seek(offset)
+                    buffer = buffer[:f.readinto(buffer)]
                 return buffer
         except FileNotFoundError:
             raise
