@@ -97,22 +97,29 @@ def run_writers(root, generation: int, order: list[int], killed: int | None, sta
     turns = [threading.Event() for _ in range(WORLD + 1)]
     turns[0].set()
     results: dict[int, object] = {}
+    errors: list[BaseException] = []
 
     def writer(position: int, rank: int) -> None:
         store = ShardedStore(str(root), writer_generation=generation)
         turns[position].wait()
         try:
             save(store, step, [rank], state)
+        except BaseException as err:
+            errors.append(err)
         finally:
             turns[position + 1].set()
         if rank != killed:
-            results[rank] = store.try_commit(step)
+            try:
+                results[rank] = store.try_commit(step)
+            except BaseException as err:
+                errors.append(err)
 
     threads = [threading.Thread(target=writer, args=(i, r)) for i, r in enumerate(order)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert errors == [], errors
     return results
 
 
@@ -183,9 +190,11 @@ def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_st
     assert sorted(p.writer_generation for p in parts) == [2] * WORLD
     # nor hide it: a stale commit that slipped through the window sorts below generation 2
     old._check_fence = lambda generation: None  # the window between check and commit
+    save(new, 6, [0], newer_state)  # generation 2 is writing step 6
     for rank in range(WORLD):
         save(old, 9, [rank], state)
     assert old.try_commit(9).by_me
+    assert (tmp_path / new.dir_name(6) / part_manifest_name(0)).exists(), "its housekeeping spared the newer writer"
     assert [(r.writer_generation, r.step) for r in new.list()] == [(1, 9), (2, 4)]
     assert new.latest().step == 4 and new.latest().writer_generation == 2
     assert_loads(new, 4, newer_state, WORLD)
