@@ -169,7 +169,7 @@ def test_a_newer_generation_mid_way_fences_the_rest_and_nothing_commits(tmp_path
 
 def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_step(tmp_path):
     state, newer_state = full_state(3), full_state(4)
-    old = ShardedStore(str(tmp_path))
+    old = ShardedStore(str(tmp_path), keep_last=1)
     old.acquire_writer()
     for rank in range(WORLD - 1):
         save(old, 5, [rank], state)
@@ -180,9 +180,10 @@ def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_st
         save(old, 5, [WORLD - 1], state)
     with pytest.raises(FencedWriterError, match="generation 2"):
         old.try_commit(5)
-    for rank in range(WORLD):
-        save(new, 4, [rank], newer_state)
-    assert new.try_commit(4).by_me
+    for step in (4, 5):
+        for rank in range(WORLD):
+            save(new, step, [rank], newer_state)
+        assert new.try_commit(step).by_me
     # and cannot add a part to the newer generation's step: its parts go to its own directory
     with pytest.raises(FencedWriterError):
         save(old, 4, [0], state)
@@ -195,9 +196,9 @@ def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_st
         save(old, 9, [rank], state)
     assert old.try_commit(9).by_me
     assert (tmp_path / new.dir_name(6) / part_manifest_name(0)).exists(), "its housekeeping spared the newer writer"
-    assert [(r.writer_generation, r.step) for r in new.list()] == [(1, 9), (2, 4)]
-    assert new.latest().step == 4 and new.latest().writer_generation == 2
-    assert_loads(new, 4, newer_state, WORLD)
+    assert [(r.writer_generation, r.step) for r in new.list()] == [(1, 9), (2, 4), (2, 5)]
+    assert new.latest().step == 5 and new.latest().writer_generation == 2
+    assert_loads(new, 5, newer_state, WORLD)
 
 
 def test_housekeeping_only_by_the_committer_and_never_of_a_newer_generation(tmp_path):
