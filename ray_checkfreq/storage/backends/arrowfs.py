@@ -107,6 +107,22 @@ class ArrowBackend(Backend):
                 raise FileNotFoundError(self.uri(rel_path)) from err
             raise StorageError(self.uri(rel_path), f"read failed: {err}") from err
 
+    def read_range(self, rel_path: str, offset: int, length: int) -> Any:
+        try:
+            with self.fs.open_input_file(self._path(rel_path)) as f:
+                length = max(0, min(length, f.size() - offset))
+                buffer = uninitialized_buffer(length)
+                if length:
+                    f.seek(offset)
+                    buffer = buffer[:f.readinto(buffer)]
+                return buffer
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+                raise FileNotFoundError(self.uri(rel_path)) from err
+            raise StorageError(self.uri(rel_path), f"read failed: {err}") from err
+
     def delete_dir(self, rel_dir: str) -> None:
         try:
             self.fs.delete_dir(self._path(rel_dir))

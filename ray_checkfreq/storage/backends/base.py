@@ -73,6 +73,12 @@ class Backend(ABC):
     def read(self, rel_path: str) -> Any:
         """The whole file, in a writable buffer (see ``uninitialized_buffer``)."""
 
+    def read_range(self, rel_path: str, offset: int, length: int) -> Any:
+        """``length`` bytes of a file from ``offset``, in a writable buffer; fewer where the
+        file ends first (the caller checks). This default reads the whole file; backends
+        override it with a ranged read."""
+        return self.read(rel_path)[offset:offset + length]
+
     def read_small(self, rel_path: str) -> bytes:
         """A small file (a manifest) whole; backends may save round trips here."""
         return bytes(self.read(rel_path))

@@ -157,6 +157,24 @@ class PosixBackend(Backend):
         except OSError as err:
             raise _storage_error(path, "read failed", err) from err
 
+    def read_range(self, rel_path: str, offset: int, length: int) -> Any:
+        path = self._path(rel_path)
+        buffer = uninitialized_buffer(length)
+        view = memoryview(buffer)
+        done = 0
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while done < length:
+                    n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                    if not n:
+                        break
+                    done += n
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            raise _storage_error(path, "read failed", err) from err
+        return buffer if done == length else buffer[:done]
+
     def delete_dir(self, rel_dir: str) -> None:
         path = self._path(rel_dir)
         shutil.rmtree(path, ignore_errors=True)

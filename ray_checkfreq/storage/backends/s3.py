@@ -222,6 +222,24 @@ class S3Backend(Backend):
             self.client.download_fileobj(self.bucket, key, sink, Config=self.transfer)
         return sink.buffer
 
+    def read_range(self, rel_path: str, offset: int, length: int) -> Any:
+        """One ranged GetObject (``Range: bytes=offset-end``)."""
+        if length <= 0:
+            return uninitialized_buffer(0)
+        key = self._key(rel_path)
+        with _translated(self.uri(rel_path), "read"):
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=key,
+                                              Range=f"bytes={offset}-{offset + length - 1}")["Body"]
+            except Exception as exc:  # past the end: S3 answers 416, which is "nothing there"
+                if _is_unsatisfiable(exc):
+                    return uninitialized_buffer(0)
+                raise
+            sink = BufferWriter(length)
+            while chunk := body.read(min(length, 8 * MiB)):
+                sink.write(chunk)
+        return sink.buffer[:sink.tell()]
+
     def delete_dir(self, rel_dir: str) -> None:
         prefix = self._dir_prefix(rel_dir)
         with _translated(self.uri(rel_dir), "delete"):
@@ -326,6 +344,14 @@ class _translated:
         if isinstance(exc, BotoCoreError):
             raise StorageError(self.location, f"{self.action} failed after retries: {exc}") from exc
         return False
+
+
+def _is_unsatisfiable(exc: Any) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError) and (
+        exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416
+        or exc.response.get("Error", {}).get("Code") == "InvalidRange")
 
 
 def _error_code(exc: Any) -> str:

@@ -1,0 +1,126 @@
+"""Reading boxes of sharded tensors from a committed checkpoint with ranged reads.
+
+For each target box the overlap planner (``chunks.plan_copies``) names the saved chunks
+it overlaps; only those are read. A ``raw`` chunk is read over the byte span of the
+overlap (``chunks.byte_span``: exactly the overlap when it differs from the chunk in the
+leading dimension only), widened to the chunk's CRC blocks (``crc_block_bytes``) so every
+block read is checked against its CRC32 before a byte of it is used. An ``rcfz`` chunk is
+read and decoded whole (its frames are not addressable from outside the codec), checked
+by the codec and against ``raw_crc32``; it is decoded once per ``load_boxes`` call.
+A target element no saved chunk covers is an error, never left uninitialised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ray_checkfreq.errors import CorruptCheckpointError
+from ray_checkfreq.storage.arrays import LeafSpec, leaf_bytes, leaf_from_buffer
+from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.checksum import crc32
+from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, CopyStep, byte_span, fill, plan_copies, span_view
+from ray_checkfreq.storage.encoding import LeafDecodeError, decode_leaf
+from ray_checkfreq.storage.sharded_manifest import ChunkRecord, ShardedManifest, TensorIndex
+
+
+class BoxReader:
+    """Reads target boxes of one checkpoint directory (``dir_name``) described by ``manifest``."""
+
+    def __init__(self, backend: Backend, dir_name: str, manifest: ShardedManifest, *,
+                 codec_threads: int | None = None) -> None:
+        self.backend = backend
+        self.dir_name = dir_name
+        self.manifest = manifest
+        self.codec_threads = codec_threads
+        self._decoded: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self.bytes_read = 0
+
+    def load_boxes(self, wanted: Mapping[str, Sequence[Box]]) -> dict[str, list[Any]]:
+        """``{key: [box, ...]}`` -> ``{key: [tensor or ndarray of that box, ...]}`` (stored dtype)."""
+        out: dict[str, list[Any]] = {}
+        for key, boxes in wanted.items():
+            tensor = self.manifest.tensor(key)
+            if tensor is None:
+                raise KeyError(f"{self.backend.uri(self.dir_name)}: no tensor {key!r} in this checkpoint")
+            out[key] = [self._load_box(tensor, box) for box in boxes]
+        self._decoded.clear()
+        return out
+
+    def _load_box(self, tensor: TensorIndex, target: Box) -> Any:
+        if not target.fits(tensor.global_shape):
+            raise ValueError(f"tensor {tensor.key!r}: box at {target.offsets} of sizes {target.sizes} lies outside "
+                             f"its global shape {tensor.global_shape}")
+        spec = LeafSpec(kind=tensor.kind, dtype=tensor.dtype, shape=target.sizes)
+        out = np.empty(target.sizes + (spec.itemsize,), np.uint8)
+        steps = plan_copies([c.box for c in tensor.chunks], target)
+        try:
+            copied = fill(out, steps, lambda step: self._source(tensor, step, spec.itemsize))
+        except ChunkLayoutError as err:
+            raise CorruptCheckpointError(self._manifest_uri(), f"tensor {tensor.key!r}: {err}") from None
+        if copied != target.volume:
+            raise CorruptCheckpointError(self._manifest_uri(), f"tensor {tensor.key!r}: saved chunks cover {copied} "
+                                         f"of the {target.volume} elements of box {target.offsets}+{target.sizes}")
+        return leaf_from_buffer(spec, out.reshape(-1), 0)
+
+    def _source(self, tensor: TensorIndex, step: CopyStep, itemsize: int) -> np.ndarray:
+        chunk = tensor.chunks[step.source]
+        if chunk.codec == "raw":
+            start, stop = byte_span(chunk.box.sizes, step.source_box, itemsize)
+            span = self._read_checked(chunk, start, stop)
+            return span_view(span, chunk.box.sizes, step.source_box, itemsize)
+        return self._decode_whole(chunk)[step.source_box.slices()]
+
+    def _decode_whole(self, chunk: ChunkRecord) -> np.ndarray:
+        cache_key = (chunk.key, chunk.box.offsets)
+        if cache_key not in self._decoded:
+            stored = self._read_checked(chunk, 0, chunk.length)
+            try:
+                leaf = decode_leaf(chunk.spec, chunk.codec, stored, 0, chunk.length, chunk.raw_crc32,
+                                   threads=self.codec_threads)
+            except LeafDecodeError as err:
+                raise CorruptCheckpointError(self._file_uri(chunk), f"tensor {chunk.key!r}: {err}") from None
+            raw = np.frombuffer(leaf_bytes(leaf), np.uint8)
+            self._decoded[cache_key] = raw.reshape(chunk.box.sizes + (chunk.spec.itemsize,))
+        return self._decoded[cache_key]
+
+    def _read_checked(self, chunk: ChunkRecord, start: int, stop: int) -> np.ndarray:
+        """Bytes [start, stop) of the chunk's stored bytes, every CRC block they touch checked."""
+        if stop <= start:
+            return np.empty(0, np.uint8)
+        block = chunk.crc_block_bytes
+        first, last = start // block, -(-stop // block)
+        low, high = first * block, min(last * block, chunk.length)
+        location = self._file_uri(chunk)
+        try:
+            data = np.asarray(self.backend.read_range(f"{self.dir_name}/{chunk.file}", chunk.offset + low, high - low),
+                              dtype=np.uint8).reshape(-1)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(location, "data file is missing") from None
+        self.bytes_read += data.size
+        if data.size != high - low:
+            raise CorruptCheckpointError(location, f"tensor {chunk.key!r}: {data.size} bytes where {high - low} "
+                                         "were expected (truncated?)")
+        for index in range(first, last):
+            piece = data[index * block - low:min((index + 1) * block, chunk.length) - low]
+            if crc32(piece.data) != chunk.block_crc32[index]:
+                raise CorruptCheckpointError(location, f"checksum mismatch in tensor {chunk.key!r} "
+                                             f"(chunk at {list(chunk.box.offsets)}, block {index})")
+        if low == 0 and high == chunk.length and crc32(data.data) != chunk.stored_crc32:
+            raise CorruptCheckpointError(location, f"checksum mismatch in tensor {chunk.key!r}")
+        return data[start - low:stop - low]
+
+    def _file_uri(self, chunk: ChunkRecord) -> str:
+        return self.backend.uri(f"{self.dir_name}/{chunk.file}")
+
+    def _manifest_uri(self) -> str:
+        return self.backend.uri(f"{self.dir_name}/manifest.json")
+
+
+def full_box(tensor: TensorIndex) -> Box:
+    return Box((0,) * len(tensor.global_shape), tensor.global_shape)
+
+
+__all__ = ["BoxReader", "full_box"]

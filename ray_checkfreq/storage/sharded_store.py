@@ -1,0 +1,638 @@
+"""Sharded checkpoints: N writers (one per node agent), one atomic commit.
+
+Layout: the directories of ``CheckpointStore`` (``step-<step>-g<generation>-<8 hex>``,
+``writers/`` markers) under the same URI. Every writer of generation ``g`` saving step
+``s`` writes into the one directory whose suffix is a hash of ``(g, s)``: its data files
+``part-r<first rank>-<token>-<n>.bin``, then, exclusively, its part manifest
+``part-r<first rank>.json``. Format and fields: ``sharded_manifest``.
+
+Commit protocol (invariants, docs/format.md "Sharded checkpoints"):
+
+1. A part manifest is created only after its data files are durable, exclusively, and
+   only by a writer whose generation is still the newest (checked right before).
+2. ``try_commit``: a writer fenced by a newer generation withdraws its part (manifest
+   first, then data files; never in a committed directory) and raises
+   ``FencedWriterError``. Otherwise it lists the directory; if the part manifests cover
+   ranks ``0..world_size-1`` exactly once, every data file they list is there at its
+   recorded size and every tensor's chunks tile it exactly once, it checks the fence
+   again and creates ``manifest.json`` exclusively. So there is exactly one commit (the
+   create is exclusive; a loser finds the manifest and reports it), and never a global
+   manifest with a part missing. After the create it lists again and undoes the commit if
+   a file vanished (a newer writer's housekeeping between its check and its create).
+3. A directory's generation is its writers': a writer of an older generation cannot add a
+   part to a newer generation's step (its parts go to its own directory, and its fence
+   check fails), cannot commit it, and cannot hide it: checkpoints are ordered by
+   (generation, step, commit time) and housekeeping never touches a newer generation.
+4. Only the writer that *just committed* step ``s`` runs housekeeping: it deletes
+   manifest-less directories of older generations and of its own with a smaller step
+   (another writer of ``g`` may still be writing a later step), and applies retention.
+5. ``salvage``: a new generation commits an old generation's directory whose parts are
+   all there but whose committer died, under the directory's generation, when no
+   checkpoint of a newer generation than that directory's is committed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, FencedWriterError, StorageError
+from ray_checkfreq.storage import fencing
+from ray_checkfreq.storage.arrays import leaf_spec
+from ray_checkfreq.storage.backends import S3Options, open_backend
+from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
+from ray_checkfreq.storage.checksum import crc32
+from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.encoding import EncodeOptions, encode_leaf
+from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
+from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.sharded_load import BoxReader
+from ray_checkfreq.storage.sharded_manifest import (
+    GLOBAL_MANIFEST_NAME,
+    MAX_CRC_BLOCK,
+    MAX_WORLD_SIZE,
+    MIN_CRC_BLOCK,
+    PART_MANIFEST,
+    ChunkRecord,
+    PartFile,
+    PartManifest,
+    ShardedManifest,
+    decode_global,
+    decode_part,
+    encode_global,
+    encode_part,
+    is_sharded_manifest,
+    merge_parts,
+    part_file_name,
+)
+from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
+
+logger = logging.getLogger("ray_checkfreq.storage")
+
+MiB = 1024 * 1024
+ALIGN_BYTES = 64
+_ZEROS = bytes(BLOCK)
+MAX_SKELETON_BYTES = 16 * MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedConfig:
+    """How a ShardedStore writes and what it keeps."""
+
+    codec: str = "raw"
+    codec_level: int | None = None
+    codec_threads: int | None = None
+    part_file_bytes: int = 64 * MiB  # data files of about this size per part
+    crc_block_bytes: int = 1 * MiB  # a ranged read checks whole blocks of this size
+    io_threads: int = 4
+    keep_last: int = 2
+    keep_epoch_boundaries: bool = True
+
+    def __post_init__(self) -> None:
+        EncodeOptions(codec=self.codec, level=self.codec_level, threads=self.codec_threads)
+        for name in ("part_file_bytes", "io_threads", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        block = self.crc_block_bytes
+        if isinstance(block, bool) or not isinstance(block, int) or not MIN_CRC_BLOCK <= block <= MAX_CRC_BLOCK \
+                or block & (block - 1):
+            raise ValueError(f"crc_block_bytes={block!r}: must be a power of two from {MIN_CRC_BLOCK} "
+                             f"to {MAX_CRC_BLOCK}")
+        if not isinstance(self.keep_epoch_boundaries, bool):
+            raise ValueError(f"keep_epoch_boundaries={self.keep_epoch_boundaries!r}: must be True or False")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSource:
+    """One rank's piece of a tensor to save: ``data`` is the box at ``offsets`` of a
+    tensor of ``global_shape`` (its sizes are ``data.shape``)."""
+
+    key: str
+    data: Any  # a torch.Tensor or numpy.ndarray (contiguous, on the CPU is cheapest)
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    rank: int
+    raw_crc32: int | None = None  # the bytes' checksum where known (a slot's seal); kept as given
+
+    @property
+    def box(self) -> Box:
+        return Box(tuple(self.offsets), tuple(self.data.shape))
+
+
+@dataclass(frozen=True)
+class ShardedRef:
+    """A committed sharded checkpoint."""
+
+    step: int
+    name: str
+    uri: str
+    writer_generation: int
+    world_size: int
+    epoch_boundary: bool
+    created_unix_ns: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    committed: bool  # a global manifest of the step exists (made now or before)
+    by_me: bool  # this call created it
+    missing_ranks: tuple[int, ...] = ()  # when not committed: the ranks no part covers yet
+    ref: ShardedRef | None = None
+
+
+@dataclass
+class _Dir:
+    name: str
+    step: int
+    generation: int
+    files: dict[str, int]
+    manifest: ShardedManifest | None = None
+
+    @property
+    def committed(self) -> bool:
+        return GLOBAL_MANIFEST_NAME in self.files
+
+    def intact(self) -> bool:
+        return self.manifest is not None and _missing_files(self.manifest, self.files) == []
+
+    def order_key(self) -> tuple[int, int, int, str]:
+        created = self.manifest.created_unix_ns if self.manifest else 0
+        return (self.generation, self.step, created, self.name)
+
+
+class ShardedStore:
+    """Sharded checkpoints under one URI (path, ``file://``, ``s3://``, pyarrow.fs).
+
+    Every writer of one generation (the node agents of one run) shares the generation
+    taken once (``acquire_writer``) and handed over (``writer_generation=g``).
+    """
+
+    def __init__(self, uri: str, *, writer_generation: int | None = None, filesystem: Any = None,
+                 s3: S3Options | None = None, direct_io: bool = True,
+                 protected_steps: Callable[[], Iterable[int]] | None = None, **config: Any) -> None:
+        self.config = ShardedConfig(**config)
+        if writer_generation is not None and (isinstance(writer_generation, bool)
+                                              or not isinstance(writer_generation, int)
+                                              or not 1 <= writer_generation <= MAX_GENERATION):
+            raise ValueError(f"writer_generation={writer_generation!r}: must be an int from 1 to {MAX_GENERATION}")
+        if protected_steps is not None and not callable(protected_steps):
+            raise TypeError(f"protected_steps={protected_steps!r}: expected a callable returning step numbers")
+        self.protected_steps = protected_steps
+        self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3, direct_io=direct_io)
+        self.uri = self.backend.root_uri
+        self._generation = writer_generation
+        self._lock = threading.Lock()
+        self._own: dict[int, tuple[str, list[str]]] = {}  # step -> (part manifest, data files) written here
+
+    def __repr__(self) -> str:
+        return f"ShardedStore({self.uri!r}, writer_generation={self._generation})"
+
+    # ------------------------------------------------------------ generations
+    @property
+    def writer_generation(self) -> int | None:
+        return self._generation
+
+    def acquire_writer(self) -> int:
+        """Take a writer generation newer than every one on this URI (once per run)."""
+        if self._generation is None:
+            in_use = max((d.generation for d in self._scan(read_manifests=False)), default=0)
+            self._generation = fencing.acquire_generation(self.backend, in_use)
+        return self._generation
+
+    def dir_name(self, step: int, generation: int | None = None) -> str:
+        """The directory every writer of ``generation`` uses for ``step``."""
+        generation = self._require_generation() if generation is None else generation
+        suffix = hashlib.blake2b(f"{generation}:{step}".encode(), digest_size=4).hexdigest()
+        return checkpoint_dir_name(step, generation, suffix)
+
+    def _require_generation(self) -> int:
+        if self._generation is None:
+            raise StorageError(self.uri, "this ShardedStore has no writer generation (acquire_writer, or "
+                               "writer_generation=g handed over from the one that took it)")
+        return self._generation
+
+    def _check_fence(self, generation: int) -> None:
+        newest = fencing.newest_marker(self.backend)
+        if newest > generation:
+            raise FencedWriterError(self.uri, generation, newest)
+
+    # ------------------------------------------------------------ writing a part
+    def save_part(self, step: int, *, world_size: int, skeletons: Mapping[int, Any],
+                  chunks: Sequence[ChunkSource], epoch_boundary: bool = False) -> PartManifest:
+        """Write this writer's part of ``step``: the chunks of ranks ``skeletons`` names
+        (each rank's non-tensor state as JSON), durable on return. Raises
+        ``FencedWriterError`` (and leaves nothing) when a newer generation exists."""
+        _check_step(step)
+        ranks = _checked_ranks(skeletons, world_size)
+        checked = {rank: _checked_json(skeletons[rank], f"skeleton of rank {rank}") for rank in ranks}
+        for chunk in chunks:
+            _check_chunk(chunk, set(ranks))
+        generation = self._require_generation()
+        with self._lock:
+            self._check_fence(generation)
+            name = self.dir_name(step)
+            self._ensure_dir(name)
+            token = uuid.uuid4().hex[:8]
+            written: list[str] = []
+            try:
+                files, records = self._write_data(name, ranks[0], token, chunks, written)
+                part = PartManifest(step=step, writer_generation=generation, world_size=world_size, ranks=ranks,
+                                    epoch_boundary=bool(epoch_boundary), created_unix_ns=time.time_ns(),
+                                    files=files, chunks=records, skeletons=checked)
+                self._check_fence(generation)
+                path = f"{name}/{part.name}"
+                if not self.backend.create_exclusive(path, encode_part(part)):
+                    raise StorageError(self.backend.uri(path), "a part for these ranks is there already: two "
+                                       "writers of one generation claim the same ranks?")
+            except BaseException:
+                self._delete_files(name, written)
+                raise
+            self._own[step] = (part.name, written)
+        return part
+
+    def _ensure_dir(self, name: str) -> None:
+        """The step's directory, made by whichever writer comes first."""
+        try:
+            self.backend.make_dir(name)
+        except StorageError:
+            if name not in self.backend.list_dirs():
+                raise
+
+    def _write_data(self, name: str, first_rank: int, token: str, chunks: Sequence[ChunkSource],
+                    written: list[str]) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
+        options = EncodeOptions(codec=self.config.codec, level=self.config.codec_level,
+                                threads=self.config.codec_threads)
+        groups = _pack(chunks, self.config.part_file_bytes)
+        threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
+        with ThreadPoolExecutor(threads, thread_name_prefix="rcf-part") as pool:
+            results = list(pool.map(
+                lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options,
+                                              written),
+                enumerate(groups)))
+        files = tuple(f for f, _ in results)
+        records = tuple(r for _, rs in results for r in rs)
+        return files, records
+
+    def _write_file(self, name: str, file: str, group: Sequence[ChunkSource], options: EncodeOptions,
+                    written: list[str]) -> tuple[PartFile, list[ChunkRecord]]:
+        pieces: list[Any] = []
+        records = []
+        offset = 0
+        for chunk in group:
+            encoded = encode_leaf(chunk.data, options, raw_crc=chunk.raw_crc32)
+            stored = memoryview(encoded.data).cast("B")
+            start = leaf_start(offset, stored.nbytes, ALIGN_BYTES)
+            if start > offset:
+                pieces.append(_ZEROS[:start - offset])
+            spec = leaf_spec(chunk.data)
+            block = self.config.crc_block_bytes
+            records.append(ChunkRecord(
+                key=chunk.key, kind=spec.kind, dtype=spec.dtype, global_shape=tuple(chunk.global_shape),
+                box=chunk.box, rank=chunk.rank, codec=encoded.codec, file=file, offset=start,
+                length=stored.nbytes, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
+                crc_block_bytes=block,
+                block_crc32=tuple(crc32(stored[i:i + block]) for i in range(0, stored.nbytes, block)),
+            ))
+            pieces.append(stored)
+            offset = start + stored.nbytes
+        if offset % ALIGN_BYTES:
+            pieces.append(_ZEROS[:-offset % ALIGN_BYTES])
+            offset += -offset % ALIGN_BYTES
+        written.append(file)  # before the write: a failed one may leave a partial file
+        self.backend.write(f"{name}/{file}", pieces)
+        return PartFile(name=file, size_bytes=offset), records
+
+    def _delete_files(self, name: str, files: Sequence[str]) -> None:
+        for file in files:
+            try:
+                self.backend.delete_file(f"{name}/{file}")
+            except Exception as err:  # the next committer's housekeeping removes the directory
+                logger.warning("could not remove %s: %s", self.backend.uri(f"{name}/{file}"), err)
+
+    # ------------------------------------------------------------ the commit
+    def try_commit(self, step: int) -> CommitResult:
+        """Commit ``step`` if every part is there (see the module docstring, invariant 2)."""
+        _check_step(step)
+        generation = self._require_generation()
+        name = self.dir_name(step)
+        with self._lock:
+            try:
+                self._check_fence(generation)
+            except FencedWriterError:
+                self._withdraw(step, name)
+                raise
+            result = self._commit_dir(name, step, generation, fence=generation)
+            if result.by_me:
+                self._housekeeping(name, step, generation)
+        return result
+
+    def _withdraw(self, step: int, name: str) -> None:
+        """Remove this writer's part of ``step`` (manifest first), unless already committed."""
+        own = self._own.pop(step, None)
+        if own is None or self.backend.exists(f"{name}/{GLOBAL_MANIFEST_NAME}"):
+            return
+        part_name, files = own
+        self._delete_files(name, [part_name, *files])
+
+    def _commit_dir(self, name: str, step: int, generation: int, *, fence: int) -> CommitResult:
+        files = self.backend.list_files(name)
+        if GLOBAL_MANIFEST_NAME in files:
+            return CommitResult(committed=True, by_me=False, ref=self._ref(name, self._read_global(name)))
+        parts = self._read_parts(name, files, step, generation)
+        if not parts:
+            return CommitResult(committed=False, by_me=False, missing_ranks=())
+        world_size = parts[0][0].world_size
+        missing = sorted(set(range(world_size)) - {r for p, _, _ in parts for r in p.ranks})
+        if missing:
+            return CommitResult(committed=False, by_me=False, missing_ranks=tuple(missing))
+        try:
+            manifest = merge_parts(step, generation, world_size, time.time_ns(), parts)
+        except ManifestError as err:
+            raise CorruptCheckpointError(self.backend.uri(name), f"its parts do not make a checkpoint: {err}") from None
+        lost = _missing_files(manifest, files)
+        if lost:
+            raise StorageError(self.backend.uri(name), f"files {lost[:8]} missing or short: not committed")
+        self._check_fence(fence)
+        path = f"{name}/{GLOBAL_MANIFEST_NAME}"
+        if not self.backend.create_exclusive(path, encode_global(manifest)):
+            return CommitResult(committed=True, by_me=False, ref=self._ref(name, self._read_global(name)))
+        lost = _missing_files(manifest, self.backend.list_files(name))
+        if lost:
+            self.backend.delete_file(path)  # uncommit: never a manifest without its parts
+            raise StorageError(self.backend.uri(name), f"files {lost[:8]} missing or short after the commit "
+                               "(removed by a newer writer?); the commit was undone")
+        logger.info("%s: committed sharded step %d (%d parts)", self.uri, step, len(parts))
+        return CommitResult(committed=True, by_me=True, ref=self._ref(name, manifest))
+
+    def _read_parts(self, name: str, files: dict[str, int], step: int,
+                    generation: int) -> list[tuple[PartManifest, int, int]]:
+        parts = []
+        for file in sorted(f for f in files if PART_MANIFEST.match(f)):
+            location = self.backend.uri(f"{name}/{file}")
+            if files[file] > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(location, f"{files[file]} bytes, more than {MAX_MANIFEST_BYTES}")
+            try:
+                data = self.backend.read_small(f"{name}/{file}")
+                part = decode_part(data, name=file)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(location, "part manifest disappeared while reading") from None
+            except ManifestError as err:
+                raise CorruptCheckpointError(location, str(err)) from None
+            if (part.step, part.writer_generation) != (step, generation):
+                raise CorruptCheckpointError(location, f"step {part.step} of generation {part.writer_generation} "
+                                             f"in the directory of step {step}, generation {generation}")
+            parts.append((part, len(data), crc32(data)))
+        sizes = {p.world_size for p, _, _ in parts}
+        if len(sizes) > 1:
+            raise CorruptCheckpointError(self.backend.uri(name), f"parts disagree on the world size: {sorted(sizes)}")
+        seen: dict[int, str] = {}
+        for part, _, _ in parts:
+            for rank in part.ranks:
+                if rank in seen:
+                    raise CorruptCheckpointError(self.backend.uri(name), f"rank {rank} is in two parts: "
+                                                 f"{seen[rank]} and {part.name}")
+                seen[rank] = part.name
+        return parts
+
+    # ------------------------------------------------------------ salvage
+    def salvage(self) -> ShardedRef | None:
+        """Commit the newest complete but uncommitted directory of an older generation
+        (its committer died after the last part), under its own generation; only when no
+        checkpoint of a newer generation than that directory's is committed."""
+        generation = self._require_generation()
+        with self._lock:
+            self._check_fence(generation)
+            dirs = self._scan()
+            newest_committed = max((d.generation for d in dirs if d.manifest is not None), default=0)
+            candidates = sorted((d for d in dirs if not d.committed and newest_committed <= d.generation < generation),
+                                key=_Dir.order_key, reverse=True)
+            for entry in candidates:
+                try:
+                    result = self._commit_dir(entry.name, entry.step, entry.generation, fence=generation)
+                except (CorruptCheckpointError, StorageError) as err:
+                    if isinstance(err, FencedWriterError):
+                        raise
+                    logger.warning("not salvaged: %s", err)
+                    continue
+                if result.committed:
+                    logger.info("%s: salvaged %s", self.uri, entry.name)
+                    return result.ref
+        return None
+
+    # ------------------------------------------------------------ housekeeping
+    def _housekeeping(self, just_committed: str, step: int, generation: int) -> None:
+        dirs = self._scan()
+        for entry in dirs:
+            if not entry.committed and (entry.generation < generation
+                                        or (entry.generation == generation and entry.step < step)):
+                logger.info("removing interrupted sharded save %s", self.backend.uri(entry.name))
+                self.backend.delete_dir(entry.name)
+        protected = self._protected()
+        if protected is None:
+            return
+        committed = sorted((d for d in dirs if d.manifest is not None), key=_Dir.order_key)
+        keep = {just_committed} | {d.name for d in committed if d.step in protected}
+        kept_intact = 0
+        for entry in reversed(committed):
+            if kept_intact >= self.config.keep_last:
+                break
+            keep.add(entry.name)
+            kept_intact += entry.intact()
+        if self.config.keep_epoch_boundaries:
+            keep |= {d.name for d in committed if d.manifest is not None and d.manifest.epoch_boundary and d.intact()}
+        for entry in committed:
+            if entry.name not in keep and entry.generation <= generation:
+                self.backend.delete_file(f"{entry.name}/{GLOBAL_MANIFEST_NAME}")  # uncommit first
+                self.backend.delete_dir(entry.name)
+
+    def _protected(self) -> set[int] | None:
+        if self.protected_steps is None:
+            return set()
+        try:
+            return {int(step) for step in self.protected_steps()}
+        except Exception as err:  # keeping too much is safe; deleting a pointed-at step is not
+            logger.warning("%s: retention skipped, protected_steps failed: %s", self.uri, err)
+            return None
+
+    # ------------------------------------------------------------ listing
+    def _scan(self, read_manifests: bool = True) -> builtins.list[_Dir]:
+        """Checkpoint directories; ``manifest`` set where a valid v3 global manifest is."""
+        dirs = []
+        for name, files in self.backend.list_tree().items():
+            parsed = parse_checkpoint_dir(name)
+            if parsed is None:
+                continue
+            entry = _Dir(name=name, step=parsed[0], generation=parsed[1], files=files)
+            if read_manifests and entry.committed:
+                entry.manifest = self._try_read_global(entry)
+            dirs.append(entry)
+        return dirs
+
+    def _try_read_global(self, entry: _Dir) -> ShardedManifest | None:
+        location = self.backend.uri(f"{entry.name}/{GLOBAL_MANIFEST_NAME}")
+        try:
+            if entry.files[GLOBAL_MANIFEST_NAME] > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(location, "manifest larger than allowed")
+            data = self.backend.read_small(f"{entry.name}/{GLOBAL_MANIFEST_NAME}")
+            if not is_sharded_manifest(data):
+                return None  # a CheckpointStore checkpoint (format 1 or 2): not this store's
+            manifest = self._checked_global(entry.name, data)
+        except CorruptCheckpointError as err:
+            logger.warning("skipping sharded checkpoint: %s", err)
+            return None
+        except FileNotFoundError:
+            return None
+        return manifest
+
+    def _read_global(self, name: str) -> ShardedManifest:
+        location = self.backend.uri(f"{name}/{GLOBAL_MANIFEST_NAME}")
+        try:
+            data = self.backend.read_small(f"{name}/{GLOBAL_MANIFEST_NAME}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(location, "manifest is missing") from None
+        return self._checked_global(name, data)
+
+    def _checked_global(self, name: str, data: bytes) -> ShardedManifest:
+        location = self.backend.uri(f"{name}/{GLOBAL_MANIFEST_NAME}")
+        try:
+            manifest = decode_global(data)
+        except ManifestError as err:
+            raise CorruptCheckpointError(location, str(err)) from None
+        if parse_checkpoint_dir(name) != (manifest.step, manifest.writer_generation):
+            raise CorruptCheckpointError(location, f"step {manifest.step} / generation {manifest.writer_generation} "
+                                         f"do not match directory {name}")
+        return manifest
+
+    def list(self) -> builtins.list[ShardedRef]:
+        """Complete sharded checkpoints (valid global manifest, every file at its size), oldest first."""
+        dirs = sorted((d for d in self._scan() if d.intact()), key=_Dir.order_key)
+        return [self._ref(d.name, d.manifest) for d in dirs if d.manifest is not None]
+
+    def latest(self) -> ShardedRef | None:
+        """The newest complete sharded checkpoint (bytes are checked as they are loaded)."""
+        refs = self.list()
+        return refs[-1] if refs else None
+
+    def _ref(self, name: str, manifest: ShardedManifest) -> ShardedRef:
+        return ShardedRef(step=manifest.step, name=name, uri=self.backend.uri(name),
+                          writer_generation=manifest.writer_generation, world_size=manifest.world_size,
+                          epoch_boundary=manifest.epoch_boundary, created_unix_ns=manifest.created_unix_ns,
+                          size_bytes=manifest.size_bytes)
+
+    def _find(self, ref_or_step: ShardedRef | int) -> ShardedRef:
+        if isinstance(ref_or_step, ShardedRef):
+            return ref_or_step
+        matches = [r for r in self.list() if r.step == ref_or_step]
+        if not matches:
+            raise CheckpointNotFoundError(f"no complete sharded checkpoint for step {ref_or_step} in {self.uri}")
+        return matches[-1]
+
+    # ------------------------------------------------------------ reading
+    def manifest(self, ref_or_step: ShardedRef | int) -> ShardedManifest:
+        """The global manifest: every tensor's global shape, dtype and chunk boxes."""
+        return self._read_global(self._find(ref_or_step).name)
+
+    def load_chunks(self, ref_or_step: ShardedRef | int,
+                    wanted: Mapping[str, Sequence[Box]]) -> dict[str, builtins.list[Any]]:
+        """``{key: [box, ...]}`` -> the boxes' contents (tensors or ndarrays of the stored
+        dtype), reading only the byte ranges of overlapping chunks (``sharded_load``)."""
+        ref = self._find(ref_or_step)
+        reader = BoxReader(self.backend, ref.name, self._read_global(ref.name),
+                           codec_threads=self.config.codec_threads)
+        return reader.load_boxes(wanted)
+
+    def load_skeletons(self, ref_or_step: ShardedRef | int, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        """The non-tensor state of ``ranks`` (all when None), each part checked against the
+        size and CRC32 the global manifest records for it."""
+        ref = self._find(ref_or_step)
+        manifest = self._read_global(ref.name)
+        wanted = set(range(manifest.world_size)) if ranks is None else set(ranks)
+        out: dict[int, Any] = {}
+        for entry in manifest.parts:
+            if not wanted & set(entry.ranks):
+                continue
+            location = self.backend.uri(f"{ref.name}/{entry.name}")
+            try:
+                data = self.backend.read_small(f"{ref.name}/{entry.name}")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(location, "part manifest is missing") from None
+            if len(data) != entry.size_bytes or crc32(data) != entry.crc32:
+                raise CorruptCheckpointError(location, "part manifest differs from what the global manifest records")
+            try:
+                part = decode_part(data, name=entry.name)
+            except ManifestError as err:
+                raise CorruptCheckpointError(location, str(err)) from None
+            out.update({r: part.skeletons[r] for r in part.ranks if r in wanted})
+        unknown = wanted - set(out)
+        if unknown:
+            raise KeyError(f"{ref.uri}: ranks {sorted(unknown)} are not in a world of {manifest.world_size}")
+        return out
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _missing_files(manifest: ShardedManifest, files: Mapping[str, int]) -> builtins.list[str]:
+    expected = [(p.name, p.size_bytes) for p in manifest.parts]
+    expected += [(f.name, f.size_bytes) for p in manifest.parts for f in p.files]
+    return [name for name, size in expected if files.get(name) != size]
+
+
+def _pack(chunks: Sequence[ChunkSource], file_bytes: int) -> builtins.list[builtins.list[ChunkSource]]:
+    """Chunks in order, in groups of about ``file_bytes`` (one group at least)."""
+    groups: list[list[ChunkSource]] = [[]]
+    size = 0
+    for chunk in chunks:
+        nbytes = leaf_spec(chunk.data).nbytes
+        if groups[-1] and size + nbytes > file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(chunk)
+        size = leaf_start(size, nbytes, ALIGN_BYTES) + nbytes
+    return groups
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step={step!r}: must be an int from 0 to {MAX_STEP}")
+
+
+def _checked_ranks(skeletons: Mapping[int, Any], world_size: int) -> tuple[int, ...]:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={world_size!r}: must be an int from 1 to {MAX_WORLD_SIZE}")
+    ranks = tuple(sorted(skeletons))
+    if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in ranks):
+        raise ValueError(f"skeletons for ranks {list(ranks)!r:.200}: expected ranks from 0 to {world_size - 1}")
+    return ranks
+
+
+def _check_chunk(chunk: ChunkSource, ranks: set[int]) -> None:
+    if not isinstance(chunk, ChunkSource):
+        raise TypeError(f"expected a ChunkSource, got {type(chunk).__name__}")
+    if chunk.rank not in ranks:
+        raise ValueError(f"chunk {chunk.key!r} of rank {chunk.rank}, a rank this part does not cover")
+    if not isinstance(chunk.key, str) or not chunk.key:
+        raise ValueError(f"chunk key {chunk.key!r}: expected a non-empty str")
+    if not chunk.box.fits(tuple(chunk.global_shape)):
+        raise ValueError(f"chunk {chunk.key!r} at {chunk.offsets} of sizes {chunk.box.sizes} lies outside "
+                         f"its global shape {tuple(chunk.global_shape)}")
+
+
+def _checked_json(value: Any, what: str) -> Any:
+    try:
+        text = json.dumps(value, allow_nan=False)
+        return parse_stored_json(f"[{text}]".encode(), max_bytes=MAX_SKELETON_BYTES)[0]
+    except (TypeError, ValueError, StoredJsonError) as err:
+        raise ValueError(f"{what}: not storable as JSON ({err})") from None
