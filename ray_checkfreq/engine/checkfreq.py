@@ -340,7 +340,8 @@ class CheckFreq:
         if profiling is not None:
             if profiling.measuring:  # until the measured persist is done (not a later epoch-end one)
                 if self.iteration > self._measure_from:  # planned ahead: only once it was taken
-                    self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before)
+                    self._measure_done = profiling.record_busy(iter_s, persist_busy=not self._measured_before,
+                                                             stall_s=stall_s)
             elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
                 self._quiet_done = profiling.record_quiet(iter_s)
             elif profiling.cold:  # between warm checkpoints, bounded (not in the first window)
