@@ -164,18 +164,18 @@ def s3_bucket(s3_server):
 # its module is, so the four tiers split the suite. tests/test_tiers.py checks every module is here.
 TIERS = {
     "unit": (
-        "test_checksum.py", "test_chunk_reader.py", "test_codec.py", "test_codec_huffman.py",
-        "test_codec_integrity.py", "test_codec_layout.py", "test_data_core.py", "test_data_global_batch.py",
-        "test_data_order.py", "test_engine.py", "test_engine_between_steps.py", "test_engine_measured.py",
-        "test_engine_planner.py", "test_engine_policy.py", "test_engine_profile.py", "test_engine_seams.py", "test_engine_with_data.py",
+        "test_checksum.py", "test_chunk_reader.py", "test_codec.py", "test_codec_huffman.py", "test_codec_integrity.py",
+        "test_codec_layout.py", "test_data_core.py", "test_data_global_batch.py", "test_data_order.py",
+        "test_engine.py", "test_engine_between_steps.py", "test_engine_measured.py", "test_engine_planner.py",
+        "test_engine_policy.py", "test_engine_profile.py", "test_engine_seams.py", "test_engine_with_data.py",
         "test_key_paths.py", "test_manifest.py", "test_nearlossless_codec.py", "test_nearlossless_store.py",
-        "test_retention_plan.py", "test_snapshot_copies.py", "test_store_direct.py", "test_store_local.py",
-        "test_store_protected.py", "test_ray_agent.py", "test_ray_restart.py", "test_slots.py",
-        "test_chaos_units.py",
+        "test_retention_plan.py", "test_sharded_chunks.py", "test_snapshot_copies.py",
+        "test_store_direct.py", "test_store_local.py", "test_store_protected.py", "test_ray_agent.py",
+        "test_ray_restart.py", "test_slots.py", "test_chaos_units.py",
     ),
     "integration": (
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
-        "test_store_s3.py", "test_store_fencing.py", "test_hostile_store.py", "test_shared_policy.py",
+        "test_store_s3.py", "test_sharded_store.py", "test_store_fencing.py", "test_hostile_store.py", "test_shared_policy.py",
         "test_ray_registration.py",
     ),
     "chaos": (

@@ -262,3 +262,34 @@ def test_a_restarted_run_fences_the_old_one_still_writing(tmp_path):
     latest = CheckpointStore(str(tmp_path)).latest()
     assert latest is not None and latest.step == 15
     assert latest.writer_generation == new.store.writer_generation > old.store.writer_generation
+
+
+def test_a_pause_beside_a_profiling_checkpoint_is_not_counted_as_its_cost(tmp_path):
+    """Every third iteration pauses 0.3 s (evaluation, a data stall, another job's turn), so
+    every measured checkpoint has a pause among the iterations beside it. The pause is not
+    the checkpoint's cost: a sample's cost is bounded by its stalls plus its persist's wall
+    time, and the k decided stays far below the one the pauses would give."""
+    model, opt = _model(256)
+    cf = CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), profile_iters=8, adaptive=False,
+                   compress=False)
+    cf.restore()
+    x = torch.ones(4, 256)
+    done = 0
+    while cf.decision is None and done < 600:
+        done += 1
+        if done % 3 == 0:
+            time.sleep(0.3)
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        cf.step()
+    stats = cf.stats()
+    cf.close()
+    assert cf.decision is not None, f"no decision after {done} iterations"
+    samples = stats["profiling"]["samples"]["raw"]
+    assert samples, "profiling measured no warm checkpoint"
+    for sample in samples:
+        assert sample["inflation_s"] >= 0.2, f"the busy window held no pause: {sample}"
+        assert sample["interference_s"] <= sample["bound_s"] + 1e-12
+        assert sample["interference_s"] < 0.2, f"a pause was taken for the checkpoint's cost: {sample}"
+    assert cf.decision.cost_s < 0.2

@@ -54,7 +54,8 @@ class _ProfilingRun:
         window = self.window
         if window.measuring:  # until the measured persist is done (not a later epoch-end one)
             if iteration > self.measure_from:  # planned ahead: only once it was taken
-                self.measure_done = window.record_busy(iter_s, persist_busy=not self.measured_before)
+                self.measure_done = window.record_busy(iter_s, persist_busy=not self.measured_before,
+                                                       stall_s=stall_s)
         elif not busy and stall_s == 0:  # after an epoch-end checkpoint, wait for quiet again
             self.quiet_done = window.record_quiet(iter_s)
         elif window.cold:  # between warm checkpoints, bounded (not in the first window)

@@ -76,6 +76,8 @@ class Measured:
     busy_iters: int = 0
     busy_s: float = 0.0
     reference_s: float = 0.0  # the mean quiet iteration it was compared with
+    bound_s: float | None = None  # the most it could have cost: stalls + the persist's wall time
+    inflation_s: float | None = None  # what the busy iterations lost, before the bound
 
 
 @dataclass
@@ -89,6 +91,7 @@ class ProfilingWindow:
     waited: int = 0  # iterations since the last measured checkpoint, quiet or not
     updates: list[float] = field(default_factory=list)
     busy: list[float] | None = None
+    busy_stall_s: float = 0.0  # the stalls within ``busy``
     codec: str | None = None
     measured: dict[str, Measured] = field(default_factory=dict)
     samples: dict[str, list[Measured]] = field(default_factory=dict)  # warm ones, per codec
@@ -119,7 +122,7 @@ class ProfilingWindow:
 
     def start_measuring(self, codec: str) -> None:
         self.codec = codec
-        self.busy = []
+        self.busy, self.busy_stall_s = [], 0.0
         self.next_codec = None
 
     def measure_next(self, codec: str) -> None:
@@ -128,10 +131,11 @@ class ProfilingWindow:
         self.next_codec = codec
         self.reference, self.waited = [], 0
 
-    def record_busy(self, iter_s: float, persist_busy: bool) -> bool:
+    def record_busy(self, iter_s: float, persist_busy: bool, stall_s: float = 0.0) -> bool:
         """True once the persist is done and at least MEASURE_ITERS iterations ran beside it."""
         assert self.busy is not None
         self.busy.append(iter_s)
+        self.busy_stall_s += stall_s
         return not persist_busy and len(self.busy) >= MEASURE_ITERS
 
     def needs_warm_measurement(self) -> bool:
@@ -160,9 +164,16 @@ class ProfilingWindow:
         fresh = len(self.reference) >= REFERENCE_ITERS
         reference = (self.reference if fresh else self.quiet)[-REFERENCE_ITERS:]
         codec, samples = self.codec, self.samples.setdefault(self.codec, [])
+        # A checkpoint costs training at most its stalls plus the time its persist ran
+        # beside training: a pause in the busy window (evaluation, a data stall, another
+        # job's turn) is not its cost. Uncapped, one 0.2 s pause per window took k from
+        # ~25 to ~400 here (a benchmark's baseline block ran inside every busy window).
+        inflation = interference_s(reference, self.busy)
+        bound = self.busy_stall_s + copy_s + persist_s
         samples.append(Measured(codec=codec, copy_s=copy_s, persist_s=persist_s, size_bytes=size_bytes,
-                                interference_s=interference_s(reference, self.busy), busy_iters=len(self.busy),
-                                busy_s=sum(self.busy), reference_s=quiet_reference_s(reference)))
+                                interference_s=min(inflation, bound), busy_iters=len(self.busy),
+                                busy_s=sum(self.busy), reference_s=quiet_reference_s(reference),
+                                bound_s=bound, inflation_s=inflation))
         disagree = samples_disagree(samples, iter_s=self.iter_s())
         if len(samples) < WARM_SAMPLES or (disagree and len(samples) < MAX_WARM_SAMPLES):
             self.measure_next(codec)
