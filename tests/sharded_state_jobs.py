@@ -73,8 +73,8 @@ def sharded_net(seed: int, mesh: Any = None) -> torch.nn.Module:
     return model
 
 
-def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def optimizer_of(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int) -> None:
@@ -205,7 +205,7 @@ def save_job(rank: int, world: int, root: Path) -> None:
 def restore_job(rank: int, world: int, root: Path) -> None:
     """A fresh model (other weights) restored from the store, then the same MORE steps."""
     model = sharded_net(seed=123)
-    opt = optimizer_of(model)
+    opt = optimizer_of(model, lr=0.5)  # the saved hyper-parameters must replace these
     adapter = fsdp_adapter(model, opt)
     store = ChunkFiles(root / "store")
     adapter.apply(store.fill, store.saved)
@@ -269,7 +269,7 @@ def _owners_and_round_trip(root: Path, rank: int, world: int, model: torch.nn.Mo
     save_chunks(root, rank, world, view)
     saved = {c.name: c.local.clone() for c in view.chunks}
     other = fresh()
-    other_opt = optimizer_of(other)
+    other_opt = optimizer_of(other, lr=0.5)
     other_adapter = fsdp_adapter(other, other_opt)
     store = ChunkFiles(root)
     other_adapter.apply(store.fill, store.saved)

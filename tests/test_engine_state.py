@@ -167,7 +167,7 @@ def test_plain_adapter_restores_like_load_state_dict(tmp_path: Path) -> None:
     skeleton = flatten_state(view.state).skeleton
     torch.manual_seed(9)
     other = jobs.Net().double()
-    other_opt = jobs.optimizer_of(other)
+    other_opt = jobs.optimizer_of(other, lr=0.5)
 
     def fill(chunk):  # whole tensors: the box is the tensor
         assert chunk.box.offsets == (0,) * len(chunk.global_shape)
