@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,16 @@ MORE = 2
 
 # ------------------------------------------------------------------ process group
 def spawn(job: Any, world: int, root: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_entry, args=(world, port, job, root), nprocs=world, join=True)
+    """``job(rank, world, Path(root))`` on ``world`` gloo ranks. The ranks meet through a
+    fresh file (a TCP port picked here could be taken by another process before they bind)."""
+    rendezvous = Path(root) / f"rendezvous-{uuid.uuid4().hex}"
+    mp.spawn(_entry, args=(world, f"file://{rendezvous}", job, root), nprocs=world, join=True)
 
 
-def _entry(rank: int, world: int, port: int, job: Any, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+def _entry(rank: int, world: int, init_method: str, job: Any, root: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         job(rank, world, Path(root))
     finally:
