@@ -1,0 +1,365 @@
+"""The engine's view of model and optimizer state as local chunks of global tensors.
+
+Two adapters, chosen by ``state_adapter(model, optimizer)``:
+
+- ``PlainStateAdapter`` (DDP, one process): today's behaviour. Every tensor is whole,
+  ``model.state_dict()`` / ``optimizer.state_dict()``, restored by ``load_state_dict``.
+- ``DTensorStateAdapter`` (FSDP2 ``fully_shard`` on a 1-D mesh, HSDP's replicate x shard
+  2-D mesh, tensor parallel ``Shard(d)``): the state comes from
+  ``torch.distributed.checkpoint.state_dict.get_*_state_dict``, which keys the optimizer's
+  state by parameter name (so keys do not depend on the world size) and is not a
+  collective. Each ``DTensor`` leaf becomes its local piece (``to_local()``, a view of the
+  live shard) plus the box it covers in the global tensor.
+
+Ownership: exactly one rank owns each distinct chunk, so that a writer that persists only
+owned chunks stores every element once. A DTensor chunk is owned by the rank whose mesh
+coordinate is 0 on every ``Replicate`` mesh dimension (under HSDP the other replica groups
+hold free RAM copies). A plain tensor in a sharded state (an optimizer's ``step``, a
+module buffer) is taken to be the same on every rank and is owned by global rank 0, the
+rank whose copy today's replica mode persists. The plain adapter owns everything.
+
+Restoring (``apply``) fills the live shards in place: the adapter builds its targets from
+the live model and optimizer, hands each tensor leaf with its global box to the caller's
+``fill``, takes every non-tensor leaf from the saved state, and loads the result. No rank
+ever allocates more than its own shards.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ray_checkfreq.engine.restore import RestoreMismatchError
+from ray_checkfreq.errors import UnsupportedStateError
+from ray_checkfreq.storage.tree import METADATA, KeyPath, StateVisitor, leaves_of, walk_state
+
+
+class Box(NamedTuple):
+    """A chunk's place in its global tensor: per dimension, first index and length."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorChunk:
+    """One tensor leaf as this rank holds it.
+
+    ``local`` is a view of the live tensor (the ``to_local()`` of a DTensor), never a copy:
+    a snapshot copies from it, a restore writes into it. ``box`` is where ``local`` lies in
+    the global tensor of shape ``global_shape``; ``box.sizes == local.shape``.
+    """
+
+    path: KeyPath
+    name: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    box: Box
+    local: torch.Tensor
+    owner: bool
+    sharded: bool  # a DTensor's piece (False: a whole tensor)
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """``state`` with every tensor leaf replaced by ``TensorChunk.local``, and its chunks in
+    walk order (the order ``flatten_state(state)`` lists its tensor leaves)."""
+
+    state: Any
+    chunks: list[TensorChunk]
+
+
+Fill = Callable[[TensorChunk], None]
+"""Writes the saved values of ``chunk.name`` inside ``chunk.box`` into ``chunk.local``."""
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether any tensor leaf of ``state`` is a DTensor."""
+    return any(isinstance(leaf, DTensor) for _, _, leaf in leaves_of(state))
+
+
+def state_adapter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StateAdapter:
+    """The adapter for this model: DTensor when its parameters are DTensors, else plain.
+
+    Raises UnsupportedStateError naming the first plain parameter of a model whose other
+    parameters are DTensors: such a parameter is neither sharded nor kept in sync by FSDP.
+    """
+    named = list(model.named_parameters())
+    distributed = [isinstance(param, DTensor) for _, param in named]
+    if not any(distributed):
+        return PlainStateAdapter(model, optimizer)
+    if not all(distributed):
+        plain = next(name for (name, _), is_dt in zip(named, distributed) if not is_dt)
+        raise UnsupportedStateError(
+            f"model/{plain}",
+            "a plain torch.Tensor parameter beside DTensor parameters: shard every parameter "
+            "(fully_shard the root module too) or none")
+    return DTensorStateAdapter(model, optimizer)
+
+
+class StateAdapter(ABC):
+    """Model and optimizer state as tensor chunks, and back."""
+
+    sharded: bool = False
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    @abstractmethod
+    def live_state(self) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}``: the live state dicts (their tensors alias
+        the live parameters and optimizer state; no collective)."""
+
+    @abstractmethod
+    def plain_owner(self) -> bool:
+        """Whether this rank owns the state's whole (non-DTensor) tensors."""
+
+    def local_view(self, state: Any) -> LocalState:
+        """Any nested state (say the engine's live dict) as local tensors and chunk records;
+        non-tensor leaves are kept as they are."""
+        builder = _LocalViewBuilder(self.plain_owner())
+        return LocalState(state=walk_state(state, builder), chunks=builder.chunks)
+
+    def param_keys(self, model_state: Mapping[str, Any]) -> set[str]:
+        """The keys of ``model_state`` that hold parameters (the rest are buffers), by the
+        identity of the local piece's memory: a DTensor's own ``data_ptr()`` is 0."""
+        pointers = {_local(p).data_ptr() for p in self.model.parameters() if _local(p).numel()}
+        names = {name for name, _ in self.model.named_parameters()}
+        return {key for key, value in model_state.items()
+                if (_local(value).data_ptr() in pointers if _local(value).numel() else key in names)}
+
+    def apply(self, fill: Fill, saved: Mapping[str, Any]) -> None:
+        """Restore model and optimizer in place: ``fill`` writes each tensor leaf's local
+        piece, every non-tensor leaf (hyper-parameters, ``_metadata``) comes from
+        ``saved`` (``{"model": ..., "optimizer": ...}`` as checkpointed; its tensor leaves
+        may be any placeholder, only its structure and other leaves are read).
+
+        Raises RestoreMismatchError naming the first key that the checkpoint and the live
+        state do not share. Every rank must call it: the DTensor path loads collectively.
+        """
+        _initialize_optimizer_state(self.optimizer)
+        target = self.live_state()
+        _check_same_structure(target, saved)
+        filled = walk_state(target, _RestoreBuilder(fill, saved, self.plain_owner()))
+        with torch.no_grad():
+            self._load(filled)
+
+    @abstractmethod
+    def _load(self, state: dict[str, Any]) -> None:
+        """Load the filled targets into the model and optimizer."""
+
+
+class PlainStateAdapter(StateAdapter):
+    """Every tensor whole: today's replica (DDP) behaviour."""
+
+    sharded = False
+
+    def live_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def plain_owner(self) -> bool:
+        return True
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class DTensorStateAdapter(StateAdapter):
+    """FSDP2 / HSDP / TP state: DTensor leaves as local chunks of global tensors."""
+
+    sharded = True
+
+    def live_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
+        _check_optimizer_leaves(optimizer_state)
+        return {"model": get_model_state_dict(self.model), "optimizer": optimizer_state}
+
+    def plain_owner(self) -> bool:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def _load(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        # Separately, not set_state_dict: on its broadcast path an empty model dict on one
+        # rank makes that rank skip the model's collectives while the others wait in them.
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+# ------------------------------------------------------------------ chunks of one leaf
+def chunk_of(path: KeyPath, name: str, tensor: torch.Tensor, *, plain_owner: bool) -> TensorChunk:
+    """The chunk record of one tensor leaf (a DTensor's local piece, or a whole tensor)."""
+    if not isinstance(tensor, DTensor):
+        shape = tuple(tensor.shape)
+        return TensorChunk(path=path, name=name, dtype=tensor.dtype, global_shape=shape,
+                           box=Box((0,) * len(shape), shape), local=tensor, owner=plain_owner, sharded=False)
+    local = tensor.to_local()
+    box = _dtensor_box(name, tensor, local)
+    return TensorChunk(path=path, name=name, dtype=tensor.dtype, global_shape=tuple(tensor.shape), box=box,
+                       local=local, owner=_owns(name, tensor), sharded=True)
+
+
+def _dtensor_box(name: str, tensor: DTensor, local: torch.Tensor) -> Box:
+    pieces = tensor.__create_chunk_list__()
+    if len(pieces) != 1:
+        raise UnsupportedStateError(name, f"a DTensor whose local piece is {len(pieces)} chunks, not one box")
+    box = Box(tuple(int(i) for i in pieces[0].offsets), tuple(int(n) for n in pieces[0].sizes))
+    if box.sizes != tuple(local.shape):
+        raise UnsupportedStateError(
+            name, f"placements {tensor.placements}: local piece {tuple(local.shape)} is not its box {box.sizes}")
+    return box
+
+
+def _owns(name: str, tensor: DTensor) -> bool:
+    """The first replica (coordinate 0 on every Replicate mesh dimension) owns the chunk."""
+    if any(placement.is_partial() for placement in tensor.placements):
+        raise UnsupportedStateError(name, f"a DTensor with a Partial placement {tensor.placements} (not reduced)")
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh: it holds nothing of it
+        return False
+    return all(index == 0 for index, placement in zip(coordinate, tensor.placements) if placement.is_replicate())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _check_optimizer_leaves(optimizer_state: Mapping[str, Any]) -> None:
+    """A plain tensor with dimensions in a sharded optimizer's state would be ambiguous
+    (a whole tensor, or a rank's piece?): refused by name. 0-d ones (``step``) are whole."""
+    for _, name, leaf in leaves_of({"optimizer": {"state": optimizer_state.get("state", {})}}):
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and leaf.dim() > 0:
+            raise UnsupportedStateError(name, "a plain torch.Tensor with dimensions in the state of a sharded "
+                                              "optimizer (expected a DTensor, or a 0-d tensor such as step)")
+
+
+def _initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create lazily made optimizer state (Adam's) so that there is something to fill: a
+    step with zero gradients and a zero learning rate (torch's own helper)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+# ------------------------------------------------------------------ walkers' visitors
+class _Rebuilder(StateVisitor[Any]):
+    """Rebuilds the visited containers (dict, OrderedDict with ``_metadata``, list, tuple)."""
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]],
+                metadata: Any) -> Any:
+        if not isinstance(value, OrderedDict):
+            return dict(items)
+        ordered: OrderedDict = OrderedDict(items)
+        if metadata is not None:
+            ordered._metadata = metadata  # type: ignore[attr-defined]
+        return ordered
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
+        return tuple(items) if isinstance(value, tuple) else items
+
+
+class _LocalViewBuilder(_Rebuilder):
+    def __init__(self, plain_owner: bool) -> None:
+        self.plain_owner = plain_owner
+        self.chunks: list[TensorChunk] = []
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        chunk = chunk_of(path, name, value, plain_owner=self.plain_owner)
+        self.chunks.append(chunk)
+        return chunk.local
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
+        return value
+
+
+class _RestoreBuilder(_Rebuilder):
+    """The targets' tree, each tensor filled in place, each other leaf taken from ``saved``."""
+
+    def __init__(self, fill: Fill, saved: Mapping[str, Any], plain_owner: bool) -> None:
+        self.fill = fill
+        self.saved = saved
+        self.plain_owner = plain_owner
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _saved_at(self.saved, path, name)
+        with torch.no_grad():
+            self.fill(chunk_of(path, name, value, plain_owner=self.plain_owner))
+        return value
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
+        return _saved_at(self.saved, path, name)
+
+
+class _PathCollector(StateVisitor[None]):
+    """Every leaf's and scalar's path, by name."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, KeyPath] = {}
+
+    def leaf(self, path: KeyPath, name: str, value: Any) -> None:
+        self.names[name] = path
+
+    def scalar(self, path: KeyPath, name: str, value: Any) -> None:
+        self.names[name] = path
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list, metadata: Any) -> None:
+        return None
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list) -> None:
+        return None
+
+
+def _paths(state: Any) -> dict[str, KeyPath]:
+    collector = _PathCollector()
+    walk_state(state, collector)
+    return collector.names
+
+
+def _check_same_structure(target: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """The same leaves on both sides, and the optimizer's groups naming the same parameters."""
+    wanted, have = _paths(target), _paths(saved)
+    for name in wanted:
+        if name not in have:
+            raise RestoreMismatchError(name, "missing from the checkpoint")
+    for name in have:
+        if name not in wanted:
+            raise RestoreMismatchError(name, "in the checkpoint but not in the model or optimizer")
+    for index, (group, saved_group) in enumerate(zip(target["optimizer"].get("param_groups", []),
+                                                      saved["optimizer"].get("param_groups", []))):
+        if list(group.get("params", [])) != list(saved_group.get("params", [])):
+            raise RestoreMismatchError(f"optimizer/param_groups/{index}/params",
+                                       f"{saved_group.get('params')!r:.200} saved, {group.get('params')!r:.200} now")
+
+
+def _saved_at(saved: Any, path: KeyPath, name: str) -> Any:
+    node = saved
+    for key in path:
+        if key is METADATA:
+            node = getattr(node, "_metadata", _MISSING)
+        elif isinstance(node, Mapping):
+            node = node.get(key, _MISSING)
+        elif isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node):
+            node = node[key]
+        else:
+            node = _MISSING
+        if node is _MISSING:
+            raise RestoreMismatchError(name, "missing from the checkpoint")
+    return node
+
+
+_MISSING = object()
