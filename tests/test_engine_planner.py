@@ -110,6 +110,17 @@ def test_profiling_measures_a_cold_then_three_warm_checkpoints_then_plans_every_
     assert p.take_new_profile() == p.profile and p.take_new_profile() is None, "handed out once, to be cached"
 
 
+def test_measuring_cost_spans_each_profiling_checkpoints_busy_window_and_nothing_else():
+    loop = Loop(planner(profile_iters=10))
+    measuring = [loop.now for _ in range(100) if not loop.step() and loop.planner.measuring_cost]
+    # Measuring starts where each profiling checkpoint (11, 30, 49, 68) is planned and lasts
+    # through its busy iterations; never in the quiet stretches nor once k is decided.
+    starts = [i for i in measuring if i - 1 not in measuring]
+    ends = [i for i in measuring if i + 1 not in measuring]
+    assert starts == [11, 30, 49, 68]
+    assert ends == [21, 40, 59, 78]
+
+
 def test_epoch_ends_are_checkpoints_between_those_every_k():
     loop = Loop(planner(every=10, epoch_len=25), persist_iters=1).run(60)
     assert loop.checkpoints() == [10, 20, 25, 35, 45, 50, 60]

@@ -96,6 +96,8 @@ class CheckFreq:
                                      "The k of the actions applied so far on this rank (None before the policy "
                                      "decided).")
     in_flight = _Forward[bool]("_executor", "busy", "Whether a checkpoint is being persisted right now.")
+    measuring_cost = _Forward[bool]("_planner", "measuring_cost",
+                                    "Whether profiling is timing the iterations beside a checkpoint (its cost) now.")
     # The names these parts had inside CheckFreq before it was split, still reached for by callers.
     _snapshotter = _Forward[Snapshotter]("_executor", "snapshotter", "The executor's snapshotter.", writable=True)
     _k = _Forward[int | None]("_planner", "k", "The planner's k.", writable=True)

@@ -113,6 +113,11 @@ class Planner:
         """Whether the policy decided k (profiling done, or a cached profile adopted)."""
         return self.decision is not None and self._profiling is None
 
+    @property
+    def measuring_cost(self) -> bool:
+        """Whether profiling is timing the iterations beside a checkpoint (its cost) now."""
+        return self._profiling is not None and self._profiling.window.measuring
+
     # ------------------------------------------------------------- measured
     def observe(self, iteration: int, iter_s: float, stall_s: float, busy: bool) -> None:
         """Iteration ``iteration`` took ``iter_s`` seconds, ``stall_s`` of them checkpoint work;
