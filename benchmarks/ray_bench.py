@@ -30,6 +30,7 @@ from typing import Any
 
 from benchmarks import ray_bench_job as job
 from benchmarks.harness import add_json_argument, spread, write_json
+from ray_checkfreq.chaos.harness import TrainJob, fit_job
 
 TRAIN_RESOURCE = "rcf_bench_train"
 SPEEDUP_TARGET = 5.0
@@ -148,24 +149,12 @@ def _fit_on_own_cluster(config: dict, work_dir: str) -> None:
 
 
 def _fit(config: dict, work_dir: str) -> None:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from ray_checkfreq.ray import CheckFreqCallback
-
     resources: dict[str, float] = {"CPU": 1}
     if config["worker_resource"]:
         resources[config["worker_resource"]] = 1
-    trainer = TorchTrainer(
-        job.train,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker=resources),
-        run_config=RunConfig(name="bench-ray", storage_path=os.path.join(work_dir, "results"),
-                             failure_config=FailureConfig(max_failures=1 if config["kill"] else 0),
-                             checkpoint_config=CheckpointConfig(num_to_keep=1),
-                             callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
-    )
-    trainer.fit()
+    fit_job(TrainJob(train=job.train, config=config, name="bench-ray", storage_path=os.path.join(work_dir, "results"),
+                     workers=2, resources_per_worker=resources, max_failures=1 if config["kill"] else 0,
+                     num_to_keep=1))
 
 
 # ------------------------------------------------------------------ figures

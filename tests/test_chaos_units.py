@@ -390,3 +390,13 @@ def test_the_jobs_digits_are_scikit_learns_first_samples():
     expected = load_digits()
     assert torch.equal(images, torch.tensor(expected.images[:1792], dtype=torch.float64).unsqueeze(1) / 16.0)
     assert torch.equal(labels, torch.tensor(expected.target[:1792], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("bad", [{"workers": 0}, {"workers": (3, 2)}, {"workers": (1, 2, 3)}, {"workers": True},
+                                 {"name": ""}, {"max_failures": -2}, {"num_to_keep": 0}])
+def test_a_train_job_names_its_bad_setting(bad: dict) -> None:
+    from ray_checkfreq.chaos.harness import TrainJob
+
+    settings = {"train": print, "name": "run", "storage_path": "/tmp/x", **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TrainJob(**settings)

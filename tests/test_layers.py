@@ -180,3 +180,29 @@ def test_the_circle_check_catches_a_circle(tmp_path: Path) -> None:
     files = sorted(engine.glob("*.py"))
     graph = import_graph(files, root=tmp_path / "ray_checkfreq")
     assert import_circles(graph) == [["ray_checkfreq.engine.a", "ray_checkfreq.engine.b"]]
+
+
+def trainer_builders(paths: list[Path]) -> list[str]:
+    """Every ``TorchTrainer(...)`` call in ``paths``: where it is."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            name = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and getattr(name, "id", getattr(name, "attr", None)) == "TorchTrainer":
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_only_the_job_harness_builds_a_trainer_outside_the_examples() -> None:
+    # The examples are users' scripts and show TorchTrainer as a user writes it; chaos, the
+    # demo, the benchmarks and the tests run their jobs through ray_checkfreq/chaos/harness.py.
+    repo = PACKAGE.parent
+    paths = [p for folder in ("ray_checkfreq", "benchmarks", "tests") for p in (repo / folder).rglob("*.py")]
+    builders = trainer_builders(paths)
+    assert len(builders) == 1 and builders[0].startswith("harness.py:"), builders
+
+
+def test_the_trainer_check_sees_a_second_builder(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("from ray.train.torch import TorchTrainer\ntrainer = TorchTrainer(lambda c: None)\n")
+    assert trainer_builders([script]) == ["job.py:2"]

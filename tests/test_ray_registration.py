@@ -207,27 +207,19 @@ def two_train_nodes(ray_cluster):
 @pytest.mark.chaos
 def test_result_checkpoint_loads_bit_identically_with_num_to_keep_1(two_train_nodes, tmp_path):
     import ray_train_jobs
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
     from test_ray_train import assert_nothing_left, assert_same_weights, events
 
-    from ray_checkfreq.ray import CheckFreqCallback
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
     from ray_checkfreq.ray import load as load_result
 
     work_dir = str(tmp_path / "job")
     os.makedirs(work_dir)
     run_name = f"register-{uuid.uuid4().hex[:6]}"
-    trainer = TorchTrainer(
-        ray_train_jobs.train,
-        train_loop_config={"work_dir": work_dir, "iterations": ITERATIONS, "register_every": 5,
-                           "check_pointers": True},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
-        run_config=RunConfig(name=run_name, storage_path=str(tmp_path / "results"),
-                             failure_config=FailureConfig(max_failures=0),
-                             checkpoint_config=CheckpointConfig(num_to_keep=1),
-                             callbacks=[CheckFreqCallback()]),
-    )
-    result = trainer.fit()
+    result = fit_job(TrainJob(train=ray_train_jobs.train,
+                              config={"work_dir": work_dir, "iterations": ITERATIONS, "register_every": 5,
+                                      "check_pointers": True},
+                              name=run_name, storage_path=str(tmp_path / "results"), workers=2,
+                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, num_to_keep=1))
     assert_nothing_left(run_name)
 
     model = ray_train_jobs.small_cnn()

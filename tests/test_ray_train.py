@@ -48,26 +48,16 @@ def fit(tmp_path, name: str, *, workers: int | tuple[int, int] = 2, max_failures
         **config) -> tuple[object, str]:
     """Run the job; afterwards nothing of the run may be left (checked here, for every run)."""
     import ray_train_jobs
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from ray_checkfreq.ray import CheckFreqCallback
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
 
     work_dir = str(tmp_path / name)
     os.makedirs(work_dir, exist_ok=True)
     run_name = run_name or f"{name}-{uuid.uuid4().hex[:6]}"
-    trainer = TorchTrainer(
-        ray_train_jobs.train,
-        train_loop_config={"work_dir": work_dir, "iterations": ITERATIONS, **config},
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
-        run_config=RunConfig(name=run_name, storage_path=str(tmp_path / "results"),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             callbacks=[CheckFreqCallback()]),
-    )
-    try:
-        outcome: object = trainer.fit()
-    except Exception as err:  # fit() raises the run's error: the caller asserts on it
-        outcome = err
+    job = TrainJob(train=ray_train_jobs.train, config={"work_dir": work_dir, "iterations": ITERATIONS, **config},
+                   name=run_name, storage_path=str(tmp_path / "results"), workers=workers,
+                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=max_failures)
+    outcome = fit_job(job, raise_errors=False)  # the run's error: the caller asserts on it
     assert_nothing_left(run_name)
     return outcome, work_dir
 

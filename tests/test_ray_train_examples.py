@@ -24,22 +24,16 @@ EPOCH_LEN = 14
 
 def fit_example(tmp_path, name: str, **config) -> tuple[object, str]:
     import ray_train_jobs
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from ray_checkfreq.ray import CheckFreqCallback
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
 
     work_dir = str(tmp_path / name)
     os.makedirs(work_dir, exist_ok=True)
     run_name = f"{name}-{uuid.uuid4().hex[:6]}"
-    trainer = TorchTrainer(
-        ray_train_jobs.train_with_evaluation,
-        train_loop_config={"work_dir": work_dir, "epochs": EPOCHS, **config},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}),
-        run_config=RunConfig(name=run_name, storage_path=str(tmp_path / "results"),
-                             failure_config=FailureConfig(max_failures=2), callbacks=[CheckFreqCallback()]),
-    )
-    result = trainer.fit()
+    result = fit_job(TrainJob(train=ray_train_jobs.train_with_evaluation,
+                              config={"work_dir": work_dir, "epochs": EPOCHS, **config}, name=run_name,
+                              storage_path=str(tmp_path / "results"), workers=2,
+                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2))
     assert_nothing_left(run_name)
     return result, work_dir
 

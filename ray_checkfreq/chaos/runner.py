@@ -33,6 +33,7 @@ from typing import Any
 from ray_checkfreq.chaos import job as chaos_job
 from ray_checkfreq.chaos import report as reports
 from ray_checkfreq.chaos import schedule as schedules
+from ray_checkfreq.chaos.harness import TrainJob, fit_job
 from ray_checkfreq.chaos.kinds import TRAIN_RESOURCE, JobView, KindSettings, LocalCluster, inject
 
 DEFAULT_KINDS = ("commit", "notice", "persist", "node", "worker", "snapshot", "agent")
@@ -247,25 +248,12 @@ def _s3_store(config: ChaosConfig, work_dir: str) -> dict:
 
 
 def _fit(config: ChaosConfig, work_dir: str, *, workers: Any, sleep_s: float, max_failures: int) -> Exception | None:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from ray_checkfreq.ray import CheckFreqCallback
-
-    trainer = TorchTrainer(
-        chaos_job.train,
-        train_loop_config=_job_config(config, work_dir, sleep_s=sleep_s),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=config.use_gpu,
-                                     resources_per_worker=_worker_resources(config)),
-        run_config=RunConfig(name=os.path.basename(work_dir), storage_path=os.path.join(work_dir, "results"),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
-    )
-    try:
-        trainer.fit()
-        return None
-    except Exception as err:  # the run's own failure: reported, not raised
-        return err
+    job = TrainJob(train=chaos_job.train, config=_job_config(config, work_dir, sleep_s=sleep_s),
+                   name=os.path.basename(work_dir), storage_path=os.path.join(work_dir, "results"),
+                   workers=workers, resources_per_worker=_worker_resources(config), use_gpu=config.use_gpu,
+                   max_failures=max_failures)
+    outcome = fit_job(job, raise_errors=False)  # the run's own failure: reported, not raised
+    return outcome if isinstance(outcome, Exception) else None
 
 
 def _worker_resources(config: ChaosConfig) -> dict:

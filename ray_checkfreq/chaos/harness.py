@@ -1,0 +1,81 @@
+"""One way to run a Ray Train job with ray_checkfreq: the chaos runs, the demo, the Ray
+benchmark and the Ray tests all build their ``TorchTrainer`` here.
+
+    outcome = fit_job(TrainJob(train=job.train, config={...}, name="run", storage_path=dir))
+
+``fit_job`` returns the ``Result``, or (``raise_errors=False``) the run's own exception,
+for callers that assert on how a run failed. Every job gets ``CheckFreqCallback`` (the
+controller hook that cleans up and fences a run's agents).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """A ``TorchTrainer`` run: its loop, config, workers and failure budget."""
+
+    train: Callable[[dict], None]
+    """The per-worker training function (``train_loop_per_worker``)."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """``train_loop_config``."""
+    name: str
+    """The run's name (Ray Train's ``RunConfig.name``)."""
+    storage_path: str
+    """Where Ray Train keeps the run's results."""
+    workers: int | tuple[int, int] = 2
+    """A fixed world size, or (min, max) for an elastic run."""
+    resources_per_worker: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1})
+    """Each worker's resources (a custom resource pins workers to simulated nodes)."""
+    use_gpu: bool = False
+    """Train on GPUs."""
+    max_failures: int = 0
+    """Worker-group restarts Ray Train may make."""
+    num_to_keep: int | None = None
+    """Ray Train's reported checkpoints kept (None: all)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name='': a run needs a name")
+        workers = self.workers if isinstance(self.workers, tuple) else (self.workers, self.workers)
+        if len(workers) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in workers) \
+                or not 1 <= workers[0] <= workers[1]:
+            raise ValueError(f"workers={self.workers!r}: must be an int >= 1 or (min, max) with 1 <= min <= max")
+        if self.max_failures < -1:
+            raise ValueError(f"max_failures={self.max_failures}: must be >= 0 (or -1: unlimited)")
+        if self.num_to_keep is not None and self.num_to_keep < 1:
+            raise ValueError(f"num_to_keep={self.num_to_keep}: must be None or >= 1")
+
+
+def fit_job(job: TrainJob, *, raise_errors: bool = True) -> Any:
+    """Run ``job`` to its end; its ``Result``, or its exception where ``raise_errors`` is False."""
+    trainer = _trainer(job)
+    if raise_errors:
+        return trainer.fit()
+    try:
+        return trainer.fit()
+    except Exception as err:  # the run's own failure: the caller reports or asserts on it
+        return err
+
+
+def _trainer(job: TrainJob) -> Any:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_checkfreq.ray import CheckFreqCallback
+
+    return TorchTrainer(
+        job.train,
+        train_loop_config=dict(job.config),
+        # Train v2's ScalingConfig (the one in force) takes (min, max); mypy sees v1's.
+        scaling_config=ScalingConfig(num_workers=job.workers,  # type: ignore[arg-type]
+                                     use_gpu=job.use_gpu, resources_per_worker=dict(job.resources_per_worker)),
+        run_config=RunConfig(name=job.name, storage_path=job.storage_path,
+                             failure_config=FailureConfig(max_failures=job.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=job.num_to_keep),
+                             callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
+    )
