@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from ray_checkfreq.engine.devices import CudaOps, DeviceOps
-from ray_checkfreq.storage.tree import KeyPath, StateVisitor, leaves_of, walk_state
+from ray_checkfreq.storage.tree import ContainerRebuilder, KeyPath, leaves_of, walk_state
 
 Layout = list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
 
@@ -273,7 +272,7 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r}: expected 'cpu' or 'gpu'")
 
 
-class _SnapshotCopier(StateVisitor[Any]):
+class _SnapshotCopier(ContainerRebuilder):
     """Builds the snapshot's tree of buffers and collects the copies to run."""
 
     def __init__(self, owner: Snapshotter, async_keys: set[str], views: dict[KeyPath, torch.Tensor]) -> None:
@@ -322,16 +321,6 @@ class _SnapshotCopier(StateVisitor[Any]):
     def scalar(self, path: KeyPath, name: str, value: Any) -> Any:
         return value
 
-    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]], metadata: Any) -> Any:
-        if not isinstance(value, OrderedDict):
-            return dict(items)
-        ordered: OrderedDict = OrderedDict(items)
-        if metadata is not None:
-            ordered._metadata = metadata  # type: ignore[attr-defined]
-        return ordered
-
-    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
-        return tuple(items) if isinstance(value, tuple) else items
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

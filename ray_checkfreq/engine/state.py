@@ -27,7 +27,6 @@ ever allocates more than its own shards.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -37,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_checkfreq.engine.restore import RestoreMismatchError
 from ray_checkfreq.errors import UnsupportedStateError
-from ray_checkfreq.storage.tree import METADATA, KeyPath, StateVisitor, leaves_of, walk_state
+from ray_checkfreq.storage.tree import METADATA, ContainerRebuilder, KeyPath, StateVisitor, leaves_of, walk_state
 
 
 class Box(NamedTuple):
@@ -254,23 +253,7 @@ def _initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ------------------------------------------------------------------ walkers' visitors
-class _Rebuilder(StateVisitor[Any]):
-    """Rebuilds the visited containers (dict, OrderedDict with ``_metadata``, list, tuple)."""
-
-    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]],
-                metadata: Any) -> Any:
-        if not isinstance(value, OrderedDict):
-            return dict(items)
-        ordered: OrderedDict = OrderedDict(items)
-        if metadata is not None:
-            ordered._metadata = metadata  # type: ignore[attr-defined]
-        return ordered
-
-    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
-        return tuple(items) if isinstance(value, tuple) else items
-
-
-class _LocalViewBuilder(_Rebuilder):
+class _LocalViewBuilder(ContainerRebuilder):
     def __init__(self, plain_owner: bool) -> None:
         self.plain_owner = plain_owner
         self.chunks: list[TensorChunk] = []
@@ -286,7 +269,7 @@ class _LocalViewBuilder(_Rebuilder):
         return value
 
 
-class _RestoreBuilder(_Rebuilder):
+class _RestoreBuilder(ContainerRebuilder):
     """The targets' tree, each tensor filled in place, each other leaf taken from ``saved``."""
 
     def __init__(self, fill: Fill, saved: Mapping[str, Any], plain_owner: bool) -> None:

@@ -15,11 +15,14 @@ Invariants the plan keeps (``format.md``, retention):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import logging
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, Manifest
+
+logger = logging.getLogger("ray_checkfreq.storage")
 
 
 @dataclass
@@ -115,3 +118,15 @@ def plan_retention(entries: Sequence[StoredEntry], *, keep_last: int, keep_epoch
     uncopied = [name for name in candidates if name not in copied]
     return RetentionPlan(keep=frozenset(keep), delete=delete, rewrite=tuple(uncopied[:1]),
                          drop_copied=tuple(name for name in candidates if name in copied))
+
+
+def protected_steps_now(protected_steps: Callable[[], Iterable[int]] | None, uri: str) -> set[int] | None:
+    """The steps ``protected_steps`` names now (none without it); None, meaning delete
+    nothing, when it fails: keeping too much is safe, deleting a pointed-at step is not."""
+    if protected_steps is None:
+        return set()
+    try:
+        return {int(step) for step in protected_steps()}
+    except Exception as err:
+        logger.warning("%s: retention skipped, protected_steps failed: %s", uri, err)
+        return None

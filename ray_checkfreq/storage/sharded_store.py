@@ -56,6 +56,7 @@ from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.encoding import EncodeOptions, encode_leaf
 from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.retention import protected_steps_now
 from ray_checkfreq.storage.sharded_load import BoxReader
 from ray_checkfreq.storage.sharded_manifest import (
     GLOBAL_MANIFEST_NAME,
@@ -458,13 +459,7 @@ class ShardedStore:
                 self.backend.delete_dir(entry.name)
 
     def _protected(self) -> set[int] | None:
-        if self.protected_steps is None:
-            return set()
-        try:
-            return {int(step) for step in self.protected_steps()}
-        except Exception as err:  # keeping too much is safe; deleting a pointed-at step is not
-            logger.warning("%s: retention skipped, protected_steps failed: %s", self.uri, err)
-            return None
+        return protected_steps_now(self.protected_steps, self.uri)
 
     # ------------------------------------------------------------ listing
     def _scan(self, read_manifests: bool = True) -> builtins.list[_Dir]:

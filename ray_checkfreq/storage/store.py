@@ -76,7 +76,7 @@ from ray_checkfreq.storage.manifest import (
     encode_manifest,
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
-from ray_checkfreq.storage.retention import StoredEntry, plan_retention, removable
+from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
@@ -489,14 +489,7 @@ class CheckpointStore:
         return _DeltaBase(name=newest.name, leaves={t.key: leaf for t, leaf in zip(manifest.tensors, leaves)})
 
     def _protected(self) -> set[int] | None:
-        """The steps ``protected_steps`` names; None (delete nothing) when it fails."""
-        if self.protected_steps is None:
-            return set()
-        try:
-            return {int(step) for step in self.protected_steps()}
-        except Exception as err:  # keeping too much is safe; deleting a pointed-at step is not
-            logger.warning("%s: retention skipped, protected_steps failed: %s", self.uri, err)
-            return None
+        return protected_steps_now(self.protected_steps, self.uri)
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.

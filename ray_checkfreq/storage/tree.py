@@ -73,6 +73,23 @@ class StateVisitor(Generic[T]):
         raise NotImplementedError
 
 
+class ContainerRebuilder(StateVisitor[Any]):
+    """A visitor that rebuilds the visited containers as they were (dict, ``OrderedDict``
+    with its ``_metadata``, list, tuple); subclasses say what becomes of leaves and scalars."""
+
+    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list[tuple[Any, Any]],
+                metadata: Any) -> Any:
+        if not isinstance(value, OrderedDict):
+            return dict(items)
+        ordered: OrderedDict = OrderedDict(items)
+        if metadata is not None:
+            ordered._metadata = metadata  # type: ignore[attr-defined]
+        return ordered
+
+    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list[Any]) -> Any:
+        return tuple(items) if isinstance(value, tuple) else items
+
+
 def walk_state(state: Any, visitor: StateVisitor[T]) -> T:
     """Visit ``state``; raises UnsupportedStateError naming the first bad key path."""
     return _visit(state, (), "", visitor)
