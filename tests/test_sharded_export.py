@@ -256,3 +256,20 @@ def test_cli_exports_dcp_and_safetensors(tmp_path, capsys):
     assert main(["export", str(root), "--step", "99", "--to", str(tmp_path / "x.safetensors")]) == 1
     err = capsys.readouterr().err
     assert "step 99" in err and str(root) in err
+
+
+def test_the_format_exported_follows_what_the_root_holds(tmp_path):
+    root = tmp_path / "store"
+    write_sharded(root)  # generation 1, step 5
+    plain = CheckpointStore(str(root))
+    plain.save(3, {"model": {"w": torch.arange(4.0)}})  # a newer writer generation: the newest checkpoint
+    newest = tmp_path / "newest.safetensors"
+    export(root, newest, step=None)
+    with safe_open(str(newest), framework="pt") as f:
+        assert set(f.keys()) == {"model/w"} and torch.equal(f.get_tensor("model/w"), torch.arange(4.0))
+    sharded = tmp_path / "sharded.safetensors"
+    export(root, sharded, step=STEP)
+    with safe_open(str(sharded), framework="pt") as f:
+        assert set(f.keys()) == set(full_state())
+    with pytest.raises(ValueError, match="step 3 is not a sharded"):
+        export(root, tmp_path / "dcp", "dcp", step=3)
