@@ -38,12 +38,13 @@ def full_state() -> dict:
         "model/odd%2Fname": torch.randn(5, 3, generator=g).bfloat16(),  # columns 1 1 1 0 (an empty box)
         "optim/state/0/exp_avg": np.random.default_rng(3).standard_normal(10).astype("<f4"),  # numpy rows
         "optim/step": torch.tensor(12, dtype=torch.int64),  # 0-d: rank 0's
+        "model/empty": torch.zeros(0, 4, dtype=torch.int32),  # no element at all: rank 0's empty box
     }
 
 
 def saved_boxes(key: str, shape: tuple[int, ...]) -> list[Box]:
     """The saving layout: one box per rank 0..3."""
-    if key == "optim/step":
+    if key in ("optim/step", "model/empty"):
         return [whole(shape)]
     if key == "model/grid":
         return [Box((r, c), (rs, cs)) for r, rs in ((0, 4), (4, 2)) for c, cs in ((0, 3), (3, 5))]

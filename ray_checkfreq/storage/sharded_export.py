@@ -20,6 +20,7 @@ metadata entry ``ray_checkfreq.skeletons`` (JSON, by rank). A ``.pt`` file is on
 from __future__ import annotations
 
 import json
+import math
 import os
 import urllib.parse
 import uuid
@@ -243,7 +244,7 @@ def _gathered(reader: BoxReader, manifest: ShardedManifest, trim: dict[str, Any]
 
 
 def _nbytes(tensor: TensorIndex) -> int:
-    return int(np.prod(tensor.global_shape, dtype=object)) * export_torch_dtype(tensor).itemsize
+    return math.prod(tensor.global_shape) * export_torch_dtype(tensor).itemsize
 
 
 def export_store(plain: CheckpointStore, sharded: ShardedStore, step: int | None, target: str, *,
