@@ -48,10 +48,13 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     verify.add_argument("--step", type=int, default=None, help="only this step (default: every checkpoint)")
     verify.set_defaults(func=cmd_verify)
 
-    export = sub.add_parser("export", help="write one checkpoint as .safetensors or .pt")
+    export = sub.add_parser("export", help="write one checkpoint as .safetensors, .pt or (sharded) a DCP directory")
     export.add_argument("uri")
     export.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
-    export.add_argument("--to", required=True, dest="target", help="FILE.safetensors or FILE.pt")
+    export.add_argument("--to", required=True, dest="target", help="FILE.safetensors, FILE.pt or (dcp) DIRECTORY")
+    export.add_argument("--format", choices=("safetensors", "pt", "dcp"), default=None, dest="export_format",
+                        help="default: from the --to file name; dcp: a PyTorch Distributed Checkpoint "
+                             "directory (sharded checkpoints only)")
     trim = export.add_mutually_exclusive_group()
     trim.add_argument("--precision-factor", type=_power_of_two, default=None, metavar="B",
                       help="near-lossless: round tensors whose values lie in [-1, 1] to multiples of 1/B "
@@ -171,11 +174,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ray_checkfreq.storage.export import export_checkpoint
+    from ray_checkfreq.storage.sharded_export import export_store
+    from ray_checkfreq.storage.sharded_store import ShardedStore
 
     store = _existing_store(args.uri)
-    written = export_checkpoint(store, args.step, args.target, precision_factor=args.precision_factor,
-                                precision_bits=args.precision_bits)
+    written = export_store(store, ShardedStore(args.uri), args.step, args.target, fmt=args.export_format,
+                           precision_factor=args.precision_factor, precision_bits=args.precision_bits)
     print(f"wrote {written}")
     return 0
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,11 +40,7 @@ def export_checkpoint(store: Any, step: int | None, target: str, *, precision_fa
     trimmed near-lossless first (:mod:`ray_checkfreq.codec.nearlossless`), so the file
     compresses better; a .safetensors file records the setting in its metadata.
     """
-    if not (target.endswith(".safetensors") or target.endswith(".pt")):
-        raise ValueError(f"--to {target!r}: the file name must end in .safetensors or .pt")
-    directory = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(directory):  # refused before the checkpoint is read
-        raise ValueError(f"--to {target!r}: directory {directory!r} does not exist")
+    check_file_target(target)
     trim = {"precision_factor": precision_factor, "precision_bits": precision_bits}
     given = {k: v for k, v in trim.items() if v is not None}
     if given:  # a bad setting is refused before anything is read
@@ -58,8 +56,26 @@ def export_checkpoint(store: Any, step: int | None, target: str, *, precision_fa
     return target
 
 
+def check_file_target(target: str) -> None:
+    """Refuses, before the checkpoint is read, a target that is not FILE.safetensors /
+    FILE.pt in an existing directory."""
+    if not (target.endswith(".safetensors") or target.endswith(".pt")):
+        raise ValueError(f"--to {target!r}: the file name must end in .safetensors or .pt")
+    directory = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--to {target!r}: directory {directory!r} does not exist")
+
+
 def _safetensors_name(name: str) -> str:
     return "%5F_metadata__" if name == "__metadata__" else name
+
+
+def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
+    """The safetensors name of a torch dtype; refuses one it has no equivalent for, naming ``name``."""
+    found = _SAFETENSORS_DTYPES.get(dtype)
+    if found is None:
+        raise ValueError(f"{name}: dtype {dtype} has no safetensors equivalent; export to .pt")
+    return found
 
 
 def write_safetensors(state: dict, path: str, *, metadata: dict[str, str] | None = None) -> None:
@@ -67,30 +83,51 @@ def write_safetensors(state: dict, path: str, *, metadata: dict[str, str] | None
     the JSON-able rest of the state goes to the metadata entry ``ray_checkfreq.state``, whose
     leaf references ``{"tensor": i}`` name the tensor ``names[i]`` of ``ray_checkfreq.names``."""
     flat = flatten_state(state)
-    header: dict[str, Any] = {}
+    entries: list[SafetensorsEntry] = []
     payload = []
-    offset = 0
     names = [_safetensors_name(name) for name in flat.key_paths]
     for key, leaf in zip(names, flat.leaves):
-        if key in header:  # names are unique by construction: this would lose a tensor
-            raise ValueError(f"{key}: two leaves of the state have this name")
         tensor = torch.from_numpy(leaf) if not isinstance(leaf, torch.Tensor) else leaf
-        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
-        if dtype is None:
-            raise ValueError(f"{key}: dtype {tensor.dtype} has no safetensors equivalent; export to .pt")
         data = leaf_bytes(tensor)
-        header[key] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + data.nbytes]}
+        entries.append(SafetensorsEntry(key, safetensors_dtype(tensor.dtype, key), tuple(tensor.shape), data.nbytes))
         payload.append(data)
-        offset += data.nbytes
-    header["__metadata__"] = dict(metadata or {}, **{"ray_checkfreq.state": json.dumps(flat.skeleton),
-                                                     "ray_checkfreq.names": json.dumps(names)})
+    metadata = dict(metadata or {}, **{"ray_checkfreq.state": json.dumps(flat.skeleton),
+                                       "ray_checkfreq.names": json.dumps(names)})
+    write_safetensors_stream(path, entries, iter(payload), metadata=metadata)
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    name: str
+    dtype: str  # safetensors' name ("F32")
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def write_safetensors_stream(path: str, entries: list[SafetensorsEntry], payloads: Iterator[Any], *,
+                             metadata: dict[str, str]) -> None:
+    """A .safetensors file of ``entries``, whose bytes ``payloads`` yields one entry at a
+    time (each of exactly the entry's ``nbytes``), so only one is held at once. Written
+    to ``path.tmp``, made durable, then renamed over ``path``."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for entry in entries:
+        if entry.name in header:  # names are unique by construction: this would lose a tensor
+            raise ValueError(f"{entry.name}: two leaves of the state have this name")
+        header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    header["__metadata__"] = metadata
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for data in payload:
+        for entry in entries:
+            data = next(payloads)
+            if memoryview(data).nbytes != entry.nbytes:
+                raise ValueError(f"{entry.name}: {memoryview(data).nbytes} bytes where {entry.nbytes} were announced")
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
