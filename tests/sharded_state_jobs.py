@@ -40,6 +40,7 @@ def _entry(rank: int, world: int, init_method: str, job: Any, root: str) -> None
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         job(rank, world, Path(root))
+        dist.barrier()  # no rank tears the group down while another is still in a collective (gloo aborts)
     finally:
         dist.destroy_process_group()
 
