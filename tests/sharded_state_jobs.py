@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,12 @@ def _entry(rank: int, world: int, init_method: str, job: Any, root: str) -> None
         dist.barrier()  # no rank tears the group down while another is still in a collective (gloo aborts)
     finally:
         dist.destroy_process_group()
+    # The job has finished and written its results: leave without the interpreter's teardown,
+    # where torch's gloo threads sometimes abort the process ("terminate called without an
+    # active exception", SIGABRT) once everything is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------ model and training

@@ -5,17 +5,14 @@ and into DTensors of another sharding, and .safetensors / .pt with every tensor 
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from safetensors import safe_open
+from sharded_state_jobs import spawn
 
 from ray_checkfreq.cli import main
 from ray_checkfreq.errors import CheckpointNotFoundError
@@ -146,34 +143,29 @@ def test_dcp_export_keeps_every_stored_chunk_as_one_dcp_chunk_and_the_skeletons(
         [{"rank": r, "lr": 0.5} for r in range(WORLD)]
 
 
-def _load_as_dtensors(rank: int, world: int, init: str, checkpoint: str, report: str) -> None:
+def _load_as_dtensors(rank: int, world: int, root: Path) -> None:
     """Rank ``rank`` of a gloo group loads the export into DTensors of its own sharding
     (columns of w, rows of grid, replicated rest) and reports whether each local shard and
     the gathered tensor equal the saved values."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        state = full_state()
-        placement = {"model/w": Shard(1), "model/grid": Shard(0), "optim/state/0/exp_avg": Shard(0)}
-        target: dict = {}
-        for key, value in state.items():
-            zero = torch.zeros_like(as_torch(value))
-            target[dcp_fqn(key)] = distribute_tensor(zero, mesh, [placement.get(key, Replicate())])
-        dcp.load(target, checkpoint_id=checkpoint)
-        result = {}
-        for key, value in state.items():
-            loaded = target[dcp_fqn(key)]
-            local = loaded.to_local()
-            expected_local = distribute_tensor(as_torch(value).clone(), mesh, loaded.placements).to_local()
-            result[key] = {"local": same_bits(local, expected_local), "full": same_bits(loaded.full_tensor(), value),
-                           "local_shape": list(local.shape)}
-        Path(report, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # no rank leaves the group while another is still in a collective
-    finally:
-        dist.destroy_process_group()
+    checkpoint, report = str(root / "dcp"), root
+    mesh = init_device_mesh("cpu", (world,))
+    state = full_state()
+    placement = {"model/w": Shard(1), "model/grid": Shard(0), "optim/state/0/exp_avg": Shard(0)}
+    target: dict = {}
+    for key, value in state.items():
+        zero = torch.zeros_like(as_torch(value))
+        target[dcp_fqn(key)] = distribute_tensor(zero, mesh, [placement.get(key, Replicate())])
+    dcp.load(target, checkpoint_id=checkpoint)
+    result = {}
+    for key, value in state.items():
+        loaded = target[dcp_fqn(key)]
+        local = loaded.to_local()
+        expected_local = distribute_tensor(as_torch(value).clone(), mesh, loaded.placements).to_local()
+        result[key] = {"local": same_bits(local, expected_local), "full": same_bits(loaded.full_tensor(), value),
+                       "local_shape": list(local.shape)}
+    Path(report, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def test_dcp_export_loads_into_dtensors_of_another_world_size(tmp_path):
@@ -182,9 +174,7 @@ def test_dcp_export_loads_into_dtensors_of_another_world_size(tmp_path):
     out = tmp_path / "dcp"
     export(root, out, "dcp")
     world = 2
-    init = f"file://{tmp_path / f'rendezvous-{uuid.uuid4().hex}'}"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_load_as_dtensors, args=(world, init, str(out), str(tmp_path)), nprocs=world, join=True)
+    spawn(_load_as_dtensors, world, str(tmp_path))
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert all(r["local"] and r["full"] for r in result.values()), (rank, result)
