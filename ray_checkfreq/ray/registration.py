@@ -33,6 +33,7 @@ from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.ray.transfer import broadcast_json
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.names import MAX_STEP
+from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -212,8 +213,8 @@ class Registrar:
     """One rank's side of registration; every rank calls ``after_step`` every iteration
     and ``close`` once (both are collectives at the iterations they act)."""
 
-    def __init__(self, *, rank: int, group: Any, store: CheckpointStore, storage: Any, run_filesystem: bool,
-                 overhead: float, config: RegistrationConfig, metrics: Callable[[], dict],
+    def __init__(self, *, rank: int, group: Any, store: CheckpointStore | ShardedStore, storage: Any,
+                 run_filesystem: bool, overhead: float, config: RegistrationConfig, metrics: Callable[[], dict],
                  on_registered: Callable[[int], None] | None = None) -> None:
         self.rank = rank
         self.group = group

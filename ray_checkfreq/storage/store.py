@@ -77,6 +77,7 @@ from ray_checkfreq.storage.manifest import (
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
+from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
@@ -223,6 +224,17 @@ class CheckpointStore:
         uri, filesystem, s3 = self._init_args
         return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation,
                                protected_steps=self.protected_steps)
+
+    def sharded_twin(self) -> ShardedStore:
+        """A ``ShardedStore`` on this store's URI, filesystem and S3 options, with its codec
+        and retention: where a sharded (DTensor) state's checkpoints go, beside this store's
+        metadata documents and under the same writer generations."""
+        uri, filesystem, s3 = self._init_args
+        config = self.config
+        return ShardedStore(uri, filesystem=filesystem, s3=s3, direct_io=config.direct_io,
+                            protected_steps=self.protected_steps, codec=config.codec, codec_level=config.codec_level,
+                            codec_threads=config.codec_threads, io_threads=config.io_threads,
+                            keep_last=config.keep_last, keep_epoch_boundaries=config.keep_epoch_boundaries)
 
     # ------------------------------------------------------------------ writing
     def save(
