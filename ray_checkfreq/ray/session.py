@@ -169,7 +169,8 @@ class CheckFreq:
         watcher = (DrainWatcher(set(self.nodes), poll_s=config.drain_poll_s)
                    if self.rank == 0 and config.watch_preemption else None)
         self._preemption = Preemption(rank=self.rank, store=self.store, watcher=watcher,
-                                      every_rank_flushes=self.sharded, detection_lag_s=config.drain_poll_s, generation=self._current_generation,
+                                      every_rank_flushes=self.sharded, detection_lag_s=config.drain_poll_s,
+                                      generation=self._current_generation,
                                       on_notices=self.metrics.record_notices if self.metrics is not None else None)
         self._restart = RestartProtocol(rank=self.rank, world_size=self.world_size, run=self.run, node_id=self.node_id,
                                         nodes=self.nodes, store=self.store, group=self._control_group,
