@@ -135,6 +135,18 @@ class SimRun:
             self.wall_s.append(self.clock.t - before)
             self.ks.append(self.cf.applied_k)
 
+    def run_toggling(self, iterations: int, quiet: Machine, loaded: Machine, *, period_s: float) -> None:
+        """A noisy neighbour: ``quiet``, then ``loaded`` (iterations and persists drawn from
+        it), each for ``period_s`` of its iterations, and so on."""
+        done, now = 0, quiet
+        while done < iterations:
+            count = min(iterations - done, max(1, round(period_s / now.iter_s)))
+            self.persister.duration = now.persist
+            self.run(count, now)
+            done += count
+            now = loaded if now is quiet else quiet
+        self.persister.duration = self.machine.persist
+
     def truth(self, start: int = 0, stop: int | None = None) -> float:
         """Wall-clock overhead against the same iterations without checkpoints."""
         return sum(self.wall_s[start:stop]) / sum(self.base_s[start:stop]) - 1

@@ -45,16 +45,24 @@ class Stretch:
     var_s2: float = 0.0
     iterations: int = 0
     reference_s: float | None = None
+    largest_stall_s: float = 0.0  # the largest single stall in it (one event: a persist's heavy tail)
 
     def __add__(self, other: Stretch) -> Stretch:
         return Stretch(self.lost_s + other.lost_s, self.total_s + other.total_s, self.var_s2 + other.var_s2,
-                       self.iterations + other.iterations, other.reference_s or self.reference_s)
+                       self.iterations + other.iterations, other.reference_s or self.reference_s,
+                       max(self.largest_stall_s, other.largest_stall_s))
 
     @property
     def overhead(self) -> float:
         """Slowdown against no checkpoints (the unit of p); 0 when nothing was measured."""
         useful = self.total_s - self.lost_s
         return max(0.0, self.lost_s) / useful if useful > 0 else 0.0
+
+    @property
+    def overhead_without_largest_stall(self) -> float:
+        """``overhead`` with the largest single stall left out: what no one event decided."""
+        useful = self.total_s - self.lost_s
+        return max(0.0, self.lost_s - self.largest_stall_s) / useful if useful > 0 else 0.0
 
     @property
     def error(self) -> float:
@@ -91,7 +99,7 @@ def measure(samples: Sequence[Sample], *, fallback_ref_s: float | None = None, p
     lost = sum(s for _, s, _ in samples) + len(busy_work) * excess
     total = sum(t for t, _, _ in kept) + sum(s for t, s, _ in samples if t - s >= limit)
     var = len(busy_work) * _variance(busy_work) + (len(busy_work) * ref_se) ** 2
-    return Stretch(lost, total, var, len(kept), ref)
+    return Stretch(lost, total, var, len(kept), ref, max((s for _, s, _ in samples), default=0.0))
 
 
 def _typical(quiet: list[float], samples: Sequence[Sample], fallback_ref_s: float | None, min_quiet: int) -> float:
