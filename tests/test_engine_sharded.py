@@ -1,0 +1,314 @@
+"""The engine's sharded mode on spawned gloo ranks (FSDP2, float64, CPU): every rank
+snapshots and writes its own part, rank 0 waits for the one global commit, and every rank
+loads its boxes back at any world size.
+
+One module-scoped chain of runs shares a directory: a 2-rank run checkpoints every 3
+iterations up to 9 and its store is copied after iteration 7 (the crash: the newest
+committed step is 6); a 2-rank restart resumes from that copy, trains to 9 with rank 1
+never writing its part of step 9; a 3-rank and a 1-rank restore read step 6 (resharding).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import sharded_state_jobs as jobs
+import torch
+import torch.distributed as dist
+
+from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
+from ray_checkfreq.engine.rng import seed_new_rank
+from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
+from ray_checkfreq.engine.snapshot import Snapshot
+from ray_checkfreq.ray.decisions import BroadcastDecisions
+from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.sharded_store import ShardedStore
+
+EVERY = 3
+CRASH_AFTER = 7  # the copy of the store taken after this iteration is what a restart finds
+SAVED = 6  # the newest step committed by then
+TOTAL = 9
+SKIPPED = 9  # rank 1 of the restart never writes its part of this step
+COMMIT_WAIT_S = 2.0
+
+
+# ------------------------------------------------------------------ helpers (run in the ranks)
+def _training(seed: int, lr: float = 1e-2) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model = jobs.sharded_net(seed=seed)
+    opt = jobs.optimizer_of(model, lr=lr)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+
+
+def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, it: int, rank: int,
+               world: int) -> None:
+    """Global batch ``it`` split by rank, plus noise from this rank's own global RNG (so a
+    resumed run only matches when each rank's RNG state came back)."""
+    share = jobs.GLOBAL_BATCH // world
+    gen = torch.Generator().manual_seed(1000 + it)
+    x = torch.randn(jobs.GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(jobs.GLOBAL_BATCH, 5, generator=gen, dtype=torch.float64)
+    mine = slice(rank * share, (rank + 1) * share)
+    noise = 1e-3 * torch.randn(share, 8, dtype=torch.float64)
+    loss = torch.nn.functional.mse_loss(model(x[mine] + noise), y[mine])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+
+
+def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: ShardedStore, rank: int,
+            persister: Any = None) -> tuple[CheckFreq, BroadcastDecisions]:
+    decisions = BroadcastDecisions(dist.new_group(backend="gloo"), rank)
+    config = CheckFreqConfig(every=EVERY, compress=False, commit_wait_s=COMMIT_WAIT_S)
+    cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, config=config,
+                   seams=EngineSeams(decisions=decisions, persister=persister))
+    return cf, decisions
+
+
+def _shared_writer(store: ShardedStore, rank: int, *, choose_latest: bool) -> int | None:
+    """Rank 0 takes the generation (and, restoring, picks the newest committed step) and
+    hands both to every rank, as the Ray layer does."""
+    chosen: list[Any] = [None, None]
+    if rank == 0:
+        generation = store.acquire_writer()
+        step = None
+        if choose_latest:
+            store.salvage()
+            latest = store.latest()
+            step = None if latest is None else latest.step
+        chosen = [generation, step]
+    dist.broadcast_object_list(chosen, src=0)
+    store.adopt_generation(chosen[0])
+    return chosen[1]
+
+
+def _gather_rng(path: Path, rank: int, world: int) -> None:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, torch.get_rng_state().tolist())
+    if rank == 0:
+        path.write_text(json.dumps(gathered))
+
+
+def _gather_json(path: Path, rank: int, world: int, item: Any) -> None:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, item)
+    if rank == 0:
+        path.write_text(json.dumps(gathered))
+
+
+def _save_full(path: Path, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    state = jobs.full_state(model, opt)  # a collective
+    if rank == 0:
+        jobs.save_arrays(path, {**state, "sched/last_epoch": np.array(sched.last_epoch)})
+
+
+class _SkipStep:
+    """A persister that drops one step's snapshot: that rank never writes its part."""
+
+    def __init__(self, inner: ShardedPersistWorker, step: int) -> None:
+        self.inner, self.step = inner, step
+
+    @property
+    def busy(self) -> bool:
+        return self.inner.busy
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None:
+        if snapshot.step != self.step:
+            self.inner.submit(snapshot, **options)
+
+    def wait_idle(self) -> float:
+        return self.inner.wait_idle()
+
+    def raise_if_failed(self) -> None:
+        self.inner.raise_if_failed()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# ------------------------------------------------------------------ jobs
+def train_job(rank: int, world: int, root: Path) -> None:
+    """The run that never stops (to TOTAL), copying its store after CRASH_AFTER."""
+    model, opt, sched = _training(seed=0)
+    torch.manual_seed(100 + rank)  # after the model, which seeds every rank alike
+    store = ShardedStore(str(root / "run"))
+    _shared_writer(store, rank, choose_latest=False)
+    persisted: list[dict] = []
+
+    def persister(store: ShardedStore, on_done: Any) -> ShardedPersistWorker:
+        def done(result: Any) -> None:
+            persisted.append({"step": result.step, "seconds": result.seconds, "stored_bytes": result.stored_bytes})
+            on_done(result)
+        return ShardedPersistWorker(store, rank=rank, world_size=world, commit_wait_s=COMMIT_WAIT_S, on_done=done)
+
+    cf, decisions = _engine(model, opt, sched, store, rank, persister=persister)
+    for it in range(TOTAL):
+        _iteration(model, opt, sched, it, rank, world)
+        cf.step()
+        if cf.iteration == SAVED:
+            _gather_rng(root / "rng-saved.json", rank, world)
+            _save_full(root / "state-saved.npz", rank, model, opt, sched)
+        if cf.iteration == CRASH_AFTER:
+            cf.flush()  # rank 0: until step SAVED is committed
+            dist.barrier()
+            if rank == 0:
+                shutil.copytree(root / "run", root / "crashed")
+            dist.barrier()
+    _save_full(root / "state-final.npz", rank, model, opt, sched)
+    cf.close()
+    decisions.close()
+    _gather_json(root / "train-stats.json", rank, world, {"committed": cf.stats()["checkpoints_committed"],
+                                                         "persisted": persisted})
+    if rank == 0:
+        (root / "train-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
+
+
+def resume_job(rank: int, world: int, root: Path) -> None:
+    """A restart from the crashed copy: other weights, RNG and learning rate, all replaced."""
+    model, opt, sched = _training(seed=123, lr=0.5)
+    torch.manual_seed(555 + rank)  # after the model, which seeds every rank alike
+    store = ShardedStore(str(root / "resume"))
+    step = _shared_writer(store, rank, choose_latest=True)
+    assert step is not None
+
+    def persister(store: ShardedStore, on_done: Any) -> Any:
+        inner = ShardedPersistWorker(store, rank=rank, world_size=world, commit_wait_s=COMMIT_WAIT_S,
+                                     on_done=on_done)
+        return _SkipStep(inner, SKIPPED) if rank == 1 else inner
+
+    cf, decisions = _engine(model, opt, sched, store, rank, persister=persister)
+    start = cf.load_sharded(step)
+    for it in range(start, TOTAL):
+        _iteration(model, opt, sched, it, rank, world)
+        cf.step()
+    _save_full(root / "state-resumed.npz", rank, model, opt, sched)
+    try:
+        cf.close()
+        error = None
+    except PersistError as err:
+        error = str(err)
+    decisions.close()
+    _gather_json(root / "resume.json", rank, world, {"step": step, "start": start, "end": cf.iteration,
+                                                     "error": error})
+    dist.barrier()
+    if rank == 0:
+        (root / "resume-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
+
+
+def reshard_job(rank: int, world: int, root: Path) -> None:
+    """A restore at another world size: 3 ranks from the crashed copy, 1 rank (``restore()``
+    with salvage) from the restart's store, whose step 9 lacks a part; and the
+    mismatches a sharded engine refuses."""
+    model, opt, sched = _training(seed=321, lr=0.5)
+    torch.manual_seed(777 + rank)  # after the model, which seeds every rank alike
+    refused = []
+    if world > 1:
+        try:
+            CheckFreq(model=model, optimizer=opt, storage=str(root / "unused"), every=EVERY)
+        except ValueError as err:
+            refused.append(str(err))
+    try:
+        CheckFreq(model=model, optimizer=opt, storage=CheckpointStore(str(root / "plain")), every=EVERY,
+                  seams=EngineSeams(decisions=BroadcastDecisions(None, rank)))
+    except ValueError as err:
+        refused.append(str(err))
+    store = ShardedStore(str(root / "restore-copy"))
+    if world == 1:
+        cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, every=EVERY)
+        start = cf.restore()
+    else:
+        step = _shared_writer(store, rank, choose_latest=True)
+        cf, decisions = _engine(model, opt, sched, store, rank)
+        assert step is not None
+        start = cf.load_sharded(step)
+        decisions.close()
+    _gather_rng(root / f"rng-w{world}.json", rank, world)
+    _save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
+    _gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused})
+    cf.close()
+
+
+# ------------------------------------------------------------------ the runs
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("engine-sharded")
+    jobs.spawn(train_job, 2, str(root))
+    shutil.copytree(root / "crashed", root / "resume")
+    jobs.spawn(resume_job, 2, str(root))
+    shutil.copytree(root / "crashed", root / "restore-copy")
+    jobs.spawn(reshard_job, 3, str(root))
+    shutil.rmtree(root / "restore-copy")
+    shutil.copytree(root / "resume", root / "restore-copy")  # step 9 there lacks rank 1's part
+    jobs.spawn(reshard_job, 1, str(root))
+    return root
+
+
+def _assert_same(found: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert sorted(found) == sorted(expected)
+    different = [name for name in expected if not np.array_equal(found[name], expected[name])]
+    assert different == []
+
+
+def test_the_run_committed_every_kth_iteration(runs: Path) -> None:
+    assert json.loads((runs / "train-steps.json").read_text())[-2:] == [6, 9]  # keep_last=2
+    stats = json.loads((runs / "train-stats.json").read_text())
+    assert [entry["committed"] for entry in stats] == [3, 3]
+    assert [[p["step"] for p in entry["persisted"]] for entry in stats] == [[3, 6, 9]] * 2
+
+
+def test_restart_resumes_at_the_newest_committed_step_and_continues_bit_identically(runs: Path) -> None:
+    report = json.loads((runs / "resume.json").read_text())
+    assert [(r["step"], r["start"], r["end"]) for r in report] == [(SAVED, SAVED, TOTAL)] * 2
+    _assert_same(jobs.load_arrays(runs / "state-resumed.npz"), jobs.load_arrays(runs / "state-final.npz"))
+
+
+def test_a_step_missing_one_rank_part_is_not_committed_and_the_previous_one_stays(runs: Path) -> None:
+    report = json.loads((runs / "resume.json").read_text())
+    assert report[1]["error"] is None
+    assert report[0]["error"] is not None
+    assert f"iteration {SKIPPED}" in report[0]["error"] and "ranks [1] of 2 wrote no part" in report[0]["error"]
+    assert json.loads((runs / "resume-steps.json").read_text())[-1] == SAVED
+
+
+@pytest.mark.parametrize("world", [3, 1])
+def test_restore_at_another_world_size_equals_the_saved_state(runs: Path, world: int) -> None:
+    report = json.loads((runs / f"reshard-w{world}.json").read_text())
+    assert [r["start"] for r in report] == [SAVED] * world
+    _assert_same(jobs.load_arrays(runs / f"state-w{world}.npz"), jobs.load_arrays(runs / "state-saved.npz"))
+
+
+def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None:
+    saved = json.loads((runs / "rng-saved.json").read_text())
+    loaded = json.loads((runs / "rng-w3.json").read_text())
+    assert saved[0] != saved[1]
+    assert loaded[:2] == saved
+    before = torch.get_rng_state()
+    try:
+        seed_new_rank(0, 2, 2)
+        expected = torch.get_rng_state().tolist()
+    finally:
+        torch.set_rng_state(before)
+    assert loaded[2] == expected
+    assert json.loads((runs / "rng-w1.json").read_text()) == saved[:1]
+
+
+def test_sharded_model_refuses_a_checkpoint_store_and_local_decisions(runs: Path) -> None:
+    at_three = json.loads((runs / "reshard-w3.json").read_text())
+    for rank in at_three:
+        local, plain = rank["refused"]
+        assert "LocalDecisions" in local and "3 ranks" in local
+        assert "CheckpointStore" in plain and "sharded" in plain
+    at_one = json.loads((runs / "reshard-w1.json").read_text())[0]["refused"]
+    assert len(at_one) == 1 and "CheckpointStore" in at_one[0]
+
+
+def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ShardedStore.*plain"):
+        CheckFreq(model=model, optimizer=opt, storage=ShardedStore(str(tmp_path)), every=2)
