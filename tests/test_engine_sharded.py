@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
-from ray_checkfreq.engine.rng import seed_new_rank
+from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
+from ray_checkfreq.engine.seams import local_rng_state
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
 
 EVERY = 3
 CRASH_AFTER = 7  # the copy of the store taken after this iteration is what a restart finds
@@ -312,3 +314,59 @@ def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="ShardedStore.*plain"):
         CheckFreq(model=model, optimizer=opt, storage=ShardedStore(str(tmp_path)), every=2)
+
+
+# ------------------------------------------------------------------ the pieces, in process
+def test_adopt_generation_is_idempotent_and_refuses_another(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path))
+    store.adopt_generation(5)
+    store.adopt_generation(5)
+    assert store.writer_generation == 5
+    with pytest.raises(ValueError, match="generation 5, cannot adopt generation 6"):
+        store.adopt_generation(6)
+    with pytest.raises(ValueError, match="generation=0"):
+        ShardedStore(str(tmp_path)).adopt_generation(0)
+
+
+def test_save_part_takes_the_codec_of_the_action(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path), writer_generation=1)
+    data = torch.arange(4096, dtype=torch.float64) % 7
+    chunk = ChunkSource(key="model/w", data=data, global_shape=(4096,), offsets=(0,), rank=0)
+    for step, codec in ((1, "rcfz"), (2, None)):
+        store.save_part(step, world_size=1, skeletons={0: {}}, chunks=[chunk], codec=codec)
+        assert store.try_commit(step).committed
+        assert store.manifest(step).tensor("model/w").chunks[0].codec == (codec or "raw")
+        assert torch.equal(torch.as_tensor(store.load_chunks(step, {"model/w": [Box((0,), (4096,))]})["model/w"][0]),
+                           data)
+
+
+def test_sharded_store_shares_the_metadata_documents(tmp_path: Path) -> None:
+    ShardedStore(str(tmp_path)).write_metadata("checkfreq-profile.json", {"a": 1})
+    assert CheckpointStore(str(tmp_path)).read_metadata("checkfreq-profile.json") == {"a": 1}
+    with pytest.raises(ValueError, match="metadata name"):
+        ShardedStore(str(tmp_path)).read_metadata("../x.json")
+
+
+def test_set_own_rng_takes_a_list_or_a_mapping_of_ranks() -> None:
+    before = torch.get_rng_state()
+    try:
+        torch.manual_seed(1)
+        one = local_rng_state()
+        torch.manual_seed(2)
+        two = local_rng_state()
+        set_own_rng({"world_size": 2, "ranks": [one, two]}, rank=1, seed=0)
+        assert torch.equal(torch.get_rng_state(), two["torch"])
+        set_own_rng({"world_size": 2, "ranks": {0: one}}, rank=0, seed=0)
+        assert torch.equal(torch.get_rng_state(), one["torch"])
+        set_own_rng({"world_size": 2, "ranks": {}}, rank=3, seed=0)
+        seeded = torch.get_rng_state()
+        seed_new_rank(0, 3, 2)
+        assert torch.equal(seeded, torch.get_rng_state())
+    finally:
+        torch.set_rng_state(before)
+
+
+@pytest.mark.parametrize("wait", [0, -1.0, float("inf"), True, "5"])
+def test_commit_wait_is_validated(wait: Any) -> None:
+    with pytest.raises(ValueError, match="commit_wait_s"):
+        CheckFreqConfig(commit_wait_s=wait)
