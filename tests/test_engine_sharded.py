@@ -2,16 +2,20 @@
 snapshots and writes its own part, rank 0 waits for the one global commit, and every rank
 loads its boxes back at any world size.
 
-One module-scoped chain of runs shares a directory: a 2-rank run checkpoints every 3
-iterations up to 9 and its store is copied after iteration 7 (the crash: the newest
-committed step is 6); a 2-rank restart resumes from that copy, trains to 9 with rank 1
-never writing its part of step 9; a 3-rank and a 1-rank restore read step 6 (resharding).
+One module-scoped chain of runs shares a directory: a 2-rank reference run checkpoints
+every 3 iterations up to 12; the same run again is SIGKILLed (every rank) right after
+iteration 9 handed its checkpoint to the persist thread, so step 9 may or may not be
+committed; a 2-rank restart resumes from what that crash left and trains to 12 with rank 1
+never writing its part of step 12; a 3-rank restore reads the crash's store and a 1-rank
+``restore()`` the restart's (resharding).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import pytest
 import sharded_state_jobs as jobs
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
 from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
@@ -32,10 +37,10 @@ from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
 
 EVERY = 3
-CRASH_AFTER = 7  # the copy of the store taken after this iteration is what a restart finds
-SAVED = 6  # the newest step committed by then
-TOTAL = 9
-SKIPPED = 9  # rank 1 of the restart never writes its part of this step
+KILLED_AT = 9  # every rank of the crashed run is SIGKILLed right after this iteration's cf.step()
+TOTAL = 12
+SKIPPED = 12  # rank 1 of the restart never writes its part of this step
+RECORDED = (6, 9)  # the reference run keeps its full state and RNG states at these iterations
 COMMIT_WAIT_S = 2.0
 
 
@@ -134,11 +139,11 @@ class _SkipStep:
 
 
 # ------------------------------------------------------------------ jobs
-def train_job(rank: int, world: int, root: Path) -> None:
-    """The run that never stops (to TOTAL), copying its store after CRASH_AFTER."""
+def _run(rank: int, world: int, root: Path, store_dir: str, *, kill_at: int | None) -> None:
+    """TOTAL iterations from scratch; SIGKILLed after ``kill_at`` when given."""
     model, opt, sched = _training(seed=0)
     torch.manual_seed(100 + rank)  # after the model, which seeds every rank alike
-    store = ShardedStore(str(root / "run"))
+    store = ShardedStore(str(root / store_dir))
     _shared_writer(store, rank, choose_latest=False)
     persisted: list[dict] = []
 
@@ -152,15 +157,11 @@ def train_job(rank: int, world: int, root: Path) -> None:
     for it in range(TOTAL):
         _iteration(model, opt, sched, it, rank, world)
         cf.step()
-        if cf.iteration == SAVED:
-            _gather_rng(root / "rng-saved.json", rank, world)
-            _save_full(root / "state-saved.npz", rank, model, opt, sched)
-        if cf.iteration == CRASH_AFTER:
-            cf.flush()  # rank 0: until step SAVED is committed
-            dist.barrier()
-            if rank == 0:
-                shutil.copytree(root / "run", root / "crashed")
-            dist.barrier()
+        if cf.iteration == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # its checkpoint is in the persist thread now
+        if kill_at is None and cf.iteration in RECORDED:
+            _gather_rng(root / f"rng-{cf.iteration}.json", rank, world)
+            _save_full(root / f"state-{cf.iteration}.npz", rank, model, opt, sched)
     _save_full(root / "state-final.npz", rank, model, opt, sched)
     cf.close()
     decisions.close()
@@ -170,10 +171,18 @@ def train_job(rank: int, world: int, root: Path) -> None:
         (root / "train-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
 
 
+def reference_job(rank: int, world: int, root: Path) -> None:
+    _run(rank, world, root, "run", kill_at=None)
+
+
+def crash_job(rank: int, world: int, root: Path) -> None:
+    _run(rank, world, root, "crashed", kill_at=KILLED_AT)
+
+
 def resume_job(rank: int, world: int, root: Path) -> None:
-    """A restart from the crashed copy: other weights, RNG and learning rate, all replaced."""
+    """A restart after the crash: other weights, RNG and learning rate, all replaced."""
     model, opt, sched = _training(seed=123, lr=0.5)
-    torch.manual_seed(555 + rank)  # after the model, which seeds every rank alike
+    torch.manual_seed(555 + rank)
     store = ShardedStore(str(root / "resume"))
     step = _shared_writer(store, rank, choose_latest=True)
     assert step is not None
@@ -190,7 +199,7 @@ def resume_job(rank: int, world: int, root: Path) -> None:
         cf.step()
     _save_full(root / "state-resumed.npz", rank, model, opt, sched)
     try:
-        cf.close()
+        cf.close()  # rank 0: waits for step SKIPPED, which never commits
         error = None
     except PersistError as err:
         error = str(err)
@@ -203,11 +212,11 @@ def resume_job(rank: int, world: int, root: Path) -> None:
 
 
 def reshard_job(rank: int, world: int, root: Path) -> None:
-    """A restore at another world size: 3 ranks from the crashed copy, 1 rank (``restore()``
-    with salvage) from the restart's store, whose step 9 lacks a part; and the
-    mismatches a sharded engine refuses."""
+    """A restore at another world size: 3 ranks from what the crash left, 1 rank
+    (``restore()``, with salvage) from the restart's store, whose step SKIPPED lacks a
+    part; and the mismatches a sharded engine refuses."""
     model, opt, sched = _training(seed=321, lr=0.5)
-    torch.manual_seed(777 + rank)  # after the model, which seeds every rank alike
+    torch.manual_seed(777 + rank)
     refused = []
     if world > 1:
         try:
@@ -239,13 +248,17 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("engine-sharded")
-    jobs.spawn(train_job, 2, str(root))
+    jobs.spawn(reference_job, 2, str(root))
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        jobs.spawn(crash_job, 2, str(root))
+    committed = [ref.step for ref in ShardedStore(str(root / "crashed")).list()]
+    (root / "crash-committed.json").write_text(json.dumps(committed))
     shutil.copytree(root / "crashed", root / "resume")
-    jobs.spawn(resume_job, 2, str(root))
     shutil.copytree(root / "crashed", root / "restore-copy")
+    jobs.spawn(resume_job, 2, str(root))
     jobs.spawn(reshard_job, 3, str(root))
     shutil.rmtree(root / "restore-copy")
-    shutil.copytree(root / "resume", root / "restore-copy")  # step 9 there lacks rank 1's part
+    shutil.copytree(root / "resume", root / "restore-copy")  # its step SKIPPED lacks rank 1's part
     jobs.spawn(reshard_job, 1, str(root))
     return root
 
@@ -256,16 +269,25 @@ def _assert_same(found: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
     assert different == []
 
 
-def test_the_run_committed_every_kth_iteration(runs: Path) -> None:
-    assert json.loads((runs / "train-steps.json").read_text())[-2:] == [6, 9]  # keep_last=2
+def _resumed_from(runs: Path) -> int:
+    return int(json.loads((runs / "resume.json").read_text())[0]["start"])
+
+
+def test_the_run_committed_every_kth_iteration_on_every_rank(runs: Path) -> None:
+    assert json.loads((runs / "train-steps.json").read_text())[-2:] == [9, 12]  # keep_last=2
     stats = json.loads((runs / "train-stats.json").read_text())
-    assert [entry["committed"] for entry in stats] == [3, 3]
-    assert [[p["step"] for p in entry["persisted"]] for entry in stats] == [[3, 6, 9]] * 2
+    assert [entry["committed"] for entry in stats] == [4, 4]
+    assert [[p["step"] for p in entry["persisted"]] for entry in stats] == [[3, 6, 9, 12]] * 2
 
 
-def test_restart_resumes_at_the_newest_committed_step_and_continues_bit_identically(runs: Path) -> None:
+def test_restart_after_a_sigkill_resumes_at_the_newest_committed_step_and_continues_bit_identically(
+        runs: Path) -> None:
+    committed_at_crash = json.loads((runs / "crash-committed.json").read_text())
+    assert committed_at_crash and committed_at_crash[-1] in (6, 9)  # 9 only if its commit beat the kill
     report = json.loads((runs / "resume.json").read_text())
-    assert [(r["step"], r["start"], r["end"]) for r in report] == [(SAVED, SAVED, TOTAL)] * 2
+    start = report[0]["start"]
+    assert start in (6, 9) and start >= committed_at_crash[-1]  # 9 also when salvage committed it
+    assert [(r["step"], r["start"], r["end"]) for r in report] == [(start, start, TOTAL)] * 2
     _assert_same(jobs.load_arrays(runs / "state-resumed.npz"), jobs.load_arrays(runs / "state-final.npz"))
 
 
@@ -274,18 +296,23 @@ def test_a_step_missing_one_rank_part_is_not_committed_and_the_previous_one_stay
     assert report[1]["error"] is None
     assert report[0]["error"] is not None
     assert f"iteration {SKIPPED}" in report[0]["error"] and "ranks [1] of 2 wrote no part" in report[0]["error"]
-    assert json.loads((runs / "resume-steps.json").read_text())[-1] == SAVED
+    assert json.loads((runs / "resume-steps.json").read_text())[-1] == 9
 
 
-@pytest.mark.parametrize("world", [3, 1])
-def test_restore_at_another_world_size_equals_the_saved_state(runs: Path, world: int) -> None:
-    report = json.loads((runs / f"reshard-w{world}.json").read_text())
-    assert [r["start"] for r in report] == [SAVED] * world
-    _assert_same(jobs.load_arrays(runs / f"state-w{world}.npz"), jobs.load_arrays(runs / "state-saved.npz"))
+def test_restore_at_three_ranks_equals_the_saved_state(runs: Path) -> None:
+    step = _resumed_from(runs)
+    report = json.loads((runs / "reshard-w3.json").read_text())
+    assert [r["start"] for r in report] == [step] * 3
+    _assert_same(jobs.load_arrays(runs / "state-w3.npz"), jobs.load_arrays(runs / f"state-{step}.npz"))
+
+
+def test_restore_at_one_rank_loads_the_newest_complete_step(runs: Path) -> None:
+    assert json.loads((runs / "reshard-w1.json").read_text())[0]["start"] == 9  # not SKIPPED: a part lacks
+    _assert_same(jobs.load_arrays(runs / "state-w1.npz"), jobs.load_arrays(runs / "state-9.npz"))
 
 
 def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None:
-    saved = json.loads((runs / "rng-saved.json").read_text())
+    saved = json.loads((runs / f"rng-{_resumed_from(runs)}.json").read_text())
     loaded = json.loads((runs / "rng-w3.json").read_text())
     assert saved[0] != saved[1]
     assert loaded[:2] == saved
@@ -296,7 +323,7 @@ def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None
     finally:
         torch.set_rng_state(before)
     assert loaded[2] == expected
-    assert json.loads((runs / "rng-w1.json").read_text()) == saved[:1]
+    assert json.loads((runs / "rng-w1.json").read_text()) == json.loads((runs / "rng-9.json").read_text())[:1]
 
 
 def test_sharded_model_refuses_a_checkpoint_store_and_local_decisions(runs: Path) -> None:
