@@ -435,6 +435,9 @@ def _sharded_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stor
         raise ValueError(f"storage={storage!r} is a CheckpointStore but the model is sharded (DTensor "
                          "parameters): pass a ShardedStore or a URI")
     rank, world_size = _rank_and_world()
+    if seams is not None and not seams.takes_snapshots:
+        raise ValueError(f"rank {rank}: EngineSeams(takes_snapshots=False) with a sharded model: every rank holds "
+                         "a different piece of the state, so every rank snapshots and writes its own part")
     decisions = seams.decisions if seams is not None else LocalDecisions()
     if world_size > 1 and isinstance(decisions, LocalDecisions):
         raise ValueError(f"a sharded model on {world_size} ranks with LocalDecisions: every rank must checkpoint "
