@@ -223,11 +223,12 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
             CheckFreq(model=model, optimizer=opt, storage=str(root / "unused"), every=EVERY)
         except ValueError as err:
             refused.append(str(err))
-    try:
-        CheckFreq(model=model, optimizer=opt, storage=CheckpointStore(str(root / "plain")), every=EVERY,
-                  seams=EngineSeams(decisions=BroadcastDecisions(None, rank)))
-    except ValueError as err:
-        refused.append(str(err))
+    for storage, takes_snapshots in ((CheckpointStore(str(root / "plain")), True), (str(root / "unused"), False)):
+        try:
+            CheckFreq(model=model, optimizer=opt, storage=storage, every=EVERY,
+                      seams=EngineSeams(decisions=BroadcastDecisions(None, rank), takes_snapshots=takes_snapshots))
+        except ValueError as err:
+            refused.append(str(err))
     store = ShardedStore(str(root / "restore-copy"))
     if world == 1:
         cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, every=EVERY)
@@ -326,14 +327,15 @@ def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None
     assert json.loads((runs / "rng-w1.json").read_text()) == json.loads((runs / "rng-9.json").read_text())[:1]
 
 
-def test_sharded_model_refuses_a_checkpoint_store_and_local_decisions(runs: Path) -> None:
+def test_sharded_model_refuses_a_checkpoint_store_local_decisions_and_no_snapshots(runs: Path) -> None:
     at_three = json.loads((runs / "reshard-w3.json").read_text())
     for rank in at_three:
-        local, plain = rank["refused"]
+        local, plain, no_snapshots = rank["refused"]
         assert "LocalDecisions" in local and "3 ranks" in local
         assert "CheckpointStore" in plain and "sharded" in plain
+        assert "takes_snapshots=False" in no_snapshots
     at_one = json.loads((runs / "reshard-w1.json").read_text())[0]["refused"]
-    assert len(at_one) == 1 and "CheckpointStore" in at_one[0]
+    assert len(at_one) == 2 and "CheckpointStore" in at_one[0]  # alone, LocalDecisions is fine
 
 
 def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:
