@@ -57,7 +57,7 @@ from ray_checkfreq.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from ray_checkfreq.storage import fencing
+from ray_checkfreq.storage import fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -755,36 +755,15 @@ class CheckpointStore:
 
     def write_metadata(self, name: str, data: dict) -> None:
         """Store a small JSON document (a cached profile, say) beside the checkpoints."""
-        _check_metadata_name(name)
-        import json
-
-        self.backend.write_atomic(name, json.dumps(data, indent=1, allow_nan=False).encode("utf-8"))
+        metadata_docs.write_metadata(self.backend, name, data)
 
     def read_metadata(self, name: str) -> dict | None:
         """A document written by ``write_metadata``; None if absent or unreadable (a
         warning names the file). The caller checks the document's schema."""
-        _check_metadata_name(name)
-        try:
-            data = parse_stored_json(self.backend.read_small(name), max_bytes=MAX_METADATA_BYTES)
-        except FileNotFoundError:
-            return None
-        except StoredJsonError as err:
-            logger.warning("ignoring unreadable %s: %s", self.backend.uri(name), err)
-            return None
-        if not isinstance(data, dict):
-            logger.warning("ignoring %s: not a JSON object", self.backend.uri(name))
-            return None
-        return data
+        return metadata_docs.read_metadata(self.backend, name)
 
     def close(self) -> None:
         self.backend.close()
-
-
-def _check_metadata_name(name: str) -> None:
-    import re
-
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,100}\.json", name) or ".." in name:
-        raise ValueError(f"metadata name {name!r}: expected a plain lower-case file name ending in .json")
 
 
 def _checked_generation(generation: Any) -> int | None:
