@@ -341,6 +341,8 @@ class CheckFreq:
         """The persister's report (from its thread): counted now, told to the planner at the next step."""
         self._stats.record_persist(result)
         self._persisted.append(result)
+        if self._seams.on_persisted is not None:
+            self._seams.on_persisted(result)
 
     def _tell_planner(self) -> None:
         while self._persisted:

@@ -192,7 +192,9 @@ class CheckFreq:
         """What the engine of this rank takes from the Ray layer."""
         return EngineSeams(
             decisions=self._decisions,
-            persister=self._persister,
+            # Sharded: the engine's own persister writes this rank's part (rank 0's reports the commit).
+            persister=None if self.sharded else self._persister,
+            on_persisted=self._persisted if self.sharded else None,
             host_memory=self._memory,
             # Sharded: each rank's RNG goes into its own part (no collective); else all ranks' into one state.
             rng_state=local_rng_state if self.sharded else lambda: gather_rng(world_size=self.world_size,
@@ -251,8 +253,6 @@ class CheckFreq:
     # ------------------------------------------------------- the node agent
     def _persister(self, store: Any, on_done: Any) -> Any:
         on_done = _also(self._persisted, on_done)
-        if self.parts is not None:  # this rank's part; rank 0's reports the global commit
-            return ShardedPersistWorker(store, on_done=on_done)
         if self.agent is None:  # rank 0 without agents: persist in this process
             return PersistWorker(store, on_done=on_done)
         return SlotPersister(store, on_done, agent=self.agent, persists=self.rank == 0,
