@@ -36,7 +36,8 @@ def train(config: dict) -> None:
     cf = CheckFreq(model=model, optimizer=optimizer, storage=config["storage"], every=config["every"],
                    compress=False, ray_config=RayConfig(restart_wait_s=3.0))
     start = cf.restore()
-    log(work_dir, rank, event="start", iteration=start, world_size=world, restore=cf.restore_info, pid=os.getpid())
+    log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id, restore=cf.restore_info,
+        pid=os.getpid())
     while cf.iteration < config["iterations"]:
         jobs.train(model, optimizer, range(cf.iteration, cf.iteration + 1), rank, world)
         cf.step()
