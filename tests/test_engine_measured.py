@@ -286,3 +286,20 @@ def test_the_exported_metrics_are_shares_of_wall_time():
     assert values["overhead_ratio"] == pytest.approx(0.6) and 0 <= values["overhead_ratio"] <= 1
     assert values["overhead_model_ratio"] == pytest.approx(0.036 / 1.036)
     assert values["overhead_ratio_error"] == pytest.approx(0.25 / 2.5**2)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_k_is_not_lowered_below_where_the_persist_fits(tmp_path, seed):
+    """Issue 27: persists that slowed after profiling (0.3 -> 1 s at 0.1 s iterations,
+    free beside training) let k fall to 8 (the next checkpoint waits 0.2 s), jump back to
+    12 and fall again, the whole run; fed the persists' wall times, k stays where they fit."""
+    quick = Machine(iter_s=0.1, persist_s=0.3, contention=0.0, seed=seed)
+    slow = Machine(iter_s=0.1, persist_s=1.0, contention=0.0, seed=seed + 10)
+    run = sim_run(tmp_path, quick, overhead=P)
+    run.run(200)
+    run.persister.duration = slow.persist
+    run.run(3000, slow)
+    history = [(entry["iteration"], entry["k"]) for entry in run.cf.stats()["k_history"]]
+    assert min(run.ks[1200:]) >= 1.0 / 0.1 + 1, f"k kept above the 1 s persist (10 iterations): {history}"
+    assert len([i for i, _ in history if i > 1200]) <= 1, f"k settled, no oscillation: {history}"
+    assert run.truth(1200) <= P, "no checkpoint waits for the persist before it"
