@@ -118,7 +118,7 @@ def test_adaptive_rate_counts_persist_waits_as_pressure():
     rate = AdaptiveRate(k=5, k_floor=5, overhead=0.035)
     ks = _drive(rate, 4000, lambda k: max(0.0, 30.0 - k) + 0.05)
     assert max(ks[:200]) >= 30, "k reaches the persist's 30 within two windows (in proportion, far above p)"
-    # Lowering cannot see the cliff at 30 (below it every checkpoint waits): k probes
+    # Not fed the persist times, lowering cannot see the cliff at 30 (below it every checkpoint waits): k probes
     # below it now and then and is raised back at once; most of the time it is above.
     assert sum(k >= 30 for k in ks[2000:]) >= 0.75 * 2000, ks[2000:]
 
