@@ -336,7 +336,18 @@ def part_noisy(args: argparse.Namespace, root: str, index: int) -> dict:
         "by_cause": stats["checkpoints_by_cause"],
         "paper_k": decision.k_floor if decision else None,
         "policy_k": decision.k if decision else None,
+        **_profile_rule(stats.get("profiling") or {}, checked.cf.profile),
     }
+
+
+def _profile_rule(profiling: dict, profile) -> dict:
+    """Which figure of the warm samples set the profiled k (the median, their mean where the
+    median's k would break p, the largest where they disagreed) and the samples' costs."""
+    codec = "rcfz" if profile is not None and profile.compress else "raw"
+    rule = ("largest" if profiling.get("disagreed", {}).get(codec)
+            else "mean" if profiling.get("conservative", {}).get(codec) else "median")
+    costs = [sample["interference_s"] for sample in profiling.get("samples", {}).get(codec, [])]
+    return {"profile_rule": rule if costs else None, "profile_costs_s": costs}
 
 
 def run_noisy(args: argparse.Namespace, root: str) -> dict:
@@ -370,6 +381,10 @@ def _print_noisy(args: argparse.Namespace, noisy: dict) -> None:
             per_epoch = taken * args.epoch_len / r["iterations"]
             print(f"  run {index + 1}: {per_epoch:.1f} checkpoints per epoch; the paper's k = {r['paper_k']} "
                   f"gives {args.epoch_len / r['paper_k']:.1f}")
+        if r.get("profile_rule"):
+            costs = ", ".join(f"{1e3 * cost:.0f}" for cost in r["profile_costs_s"])
+            print(f"  run {index + 1}: profiled k {r['policy_k']} from the {r['profile_rule']} of the warm "
+                  f"samples' costs ({costs} ms)")
 
 
 def run(args: argparse.Namespace) -> int:

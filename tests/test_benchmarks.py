@@ -66,6 +66,8 @@ def test_bench_overhead_noisy_prints_each_runs_k_history_and_figures(tmp_path, c
     assert len(runs) == 2 and all(r["k_history"] and r["checkpoints"] >= r["by_cause"]["profiling"] for r in runs)
     printed = capsys.readouterr().out
     assert "k history" in printed and "median wall-clock overhead" in printed
+    assert all(r["profile_rule"] in ("median", "mean", "largest") and r["profile_costs_s"] for r in runs)
+    assert "from the " + runs[0]["profile_rule"] + " of the warm samples' costs" in printed
 
 
 def test_bench_overhead_names_a_bad_part(capsys):

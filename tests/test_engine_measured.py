@@ -5,6 +5,7 @@ a CPU hog arriving mid-run)."""
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import subprocess
 import sys
@@ -116,6 +117,25 @@ def test_a_profile_from_the_neighbours_quiet_phase_is_corrected_within_the_run(t
     assert max(settled) <= 2 * min(settled), f"k settled within 2x: {history}"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_profile_that_caught_the_neighbour_starting_takes_the_conservative_k(tmp_path, seed):
+    """Issue 27: the neighbour starts spinning at iteration 36, beside profiling's last warm
+    checkpoint (at 44): costs ~0.01, ~0.01 and ~0.08-0.1 s. The median (k ~ 20) paid
+    9-10 % over the first 200 iterations until the adaptive rate's first window; the mean
+    cost gives a k the loaded phase can afford from the start."""
+    quiet, loaded = neighbour(seed)
+    run = sim_run(tmp_path, quiet, overhead=P, epoch_len=300)
+    run.run(36)
+    run.run_toggling(464, loaded, quiet, period_s=4.0)  # loaded first, then quiet, ...
+    stats = run.cf.stats()
+    costs = [sample["interference_s"] for sample in stats["profiling"]["samples"]["raw"]]
+    assert max(costs) > 4 * sorted(costs)[1] and not stats["profiling"]["disagreed"]["raw"], costs
+    profiled = stats["k_history"][0]["k"]
+    assert stats["profiling"]["conservative"] == {"raw": True}
+    assert profiled >= math.ceil(statistics.fmean(costs) / (P * run.cf.profile.iter_s)) >= 40, stats["k_history"]
+    assert run.truth(0, 200) <= 2 * P, f"within 2p from the start: {stats['k_history']}"
+
+
 # ------------------------------------------------------------ lost work
 def test_the_lost_work_bound_caps_k_at_a_quarter_epoch_and_says_so(tmp_path, caplog):
     costly = Machine(persist_s=5.0, seed=0)  # 1.5 s per checkpoint: p alone asks for k ~ 430
@@ -180,6 +200,42 @@ def test_profiling_samples_that_disagree_lengthen_the_profile_then_take_the_larg
     assert results[:MAX_WARM_SAMPLES - 1] == [None] * (MAX_WARM_SAMPLES - 1), "3 were not enough"
     assert results[-1] is not None and results[-1].interference_s == pytest.approx(6.0), "the largest"
     assert window.summary()["disagreed"] == {"raw": True}
+
+
+def test_a_majority_of_cheap_samples_does_not_hide_what_profiling_measurably_paid():
+    """Issue 27: costs 0.2, 0.3 and 2.5 s agree by majority (the median, 0.3 s, picks k = 9),
+    but the three cost 1 s each on average: 11 % at k = 9. k comes from the mean cost."""
+    window = _profiled_window(busy_s=(1.05, 1.075, 1.625), persist_s=6.0)
+    measured = window.measured["raw"]
+    assert not window.disagreed["raw"] and measured.interference_s == pytest.approx(0.3), "the median"
+    profile, decision = window.decide(measured, {}, P, None)
+    assert window.mean_cost_s("raw") == pytest.approx(1.0)
+    assert profile.interference_s == pytest.approx(1.0) and decision.k == math.ceil(1.0 / P)
+    assert window.summary()["conservative"] == {"raw": True}
+    calm = _profiled_window(busy_s=(1.05, 1.075, 1.1), persist_s=6.0)  # 0.2, 0.3, 0.4 s: the median stands
+    profile, decision = calm.decide(calm.measured["raw"], {}, P, None)
+    assert profile.interference_s == pytest.approx(0.3) and decision.k == math.ceil(0.3 / P)
+    assert calm.summary()["conservative"] == {"raw": False}
+
+
+def _profiled_window(*, busy_s: tuple[float, ...], persist_s: float) -> ProfilingWindow:
+    """A profiling window at 1 s quiet iterations whose warm checkpoints' 4 busy iterations
+    took ``busy_s`` each."""
+    window = ProfilingWindow(quiet_iters=7)
+    for _ in range(7):
+        window.record_quiet(1.0)
+    window.start_measuring("raw")
+    for _ in range(4):
+        window.record_busy(1.0, persist_busy=False)
+    window.discard_cold()
+    for busy in busy_s:
+        for _ in range(8):
+            window.record_quiet(1.0)
+        window.start_measuring("raw")
+        for _ in range(4):
+            window.record_busy(busy, persist_busy=False)
+        window.finish_measuring(copy_s=0.1, persist_s=persist_s, size_bytes=10)
+    return window
 
 
 # ---------------------------------------------------------- real CPU path
@@ -286,3 +342,20 @@ def test_the_exported_metrics_are_shares_of_wall_time():
     assert values["overhead_ratio"] == pytest.approx(0.6) and 0 <= values["overhead_ratio"] <= 1
     assert values["overhead_model_ratio"] == pytest.approx(0.036 / 1.036)
     assert values["overhead_ratio_error"] == pytest.approx(0.25 / 2.5**2)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_k_is_not_lowered_below_where_the_persist_fits(tmp_path, seed):
+    """Issue 27: persists that slowed after profiling (0.3 -> 1 s at 0.1 s iterations,
+    free beside training) let k fall to 8 (the next checkpoint waits 0.2 s), jump back to
+    12 and fall again, the whole run; fed the persists' wall times, k stays where they fit."""
+    quick = Machine(iter_s=0.1, persist_s=0.3, contention=0.0, seed=seed)
+    slow = Machine(iter_s=0.1, persist_s=1.0, contention=0.0, seed=seed + 10)
+    run = sim_run(tmp_path, quick, overhead=P)
+    run.run(200)
+    run.persister.duration = slow.persist
+    run.run(3000, slow)
+    history = [(entry["iteration"], entry["k"]) for entry in run.cf.stats()["k_history"]]
+    assert min(run.ks[1200:]) >= 1.0 / 0.1 + 1, f"k kept above the 1 s persist (10 iterations): {history}"
+    assert len([i for i, _ in history if i > 1200]) <= 1, f"k settled, no oscillation: {history}"
+    assert run.truth(1200) <= P, "no checkpoint waits for the persist before it"

@@ -118,9 +118,31 @@ def test_adaptive_rate_counts_persist_waits_as_pressure():
     rate = AdaptiveRate(k=5, k_floor=5, overhead=0.035)
     ks = _drive(rate, 4000, lambda k: max(0.0, 30.0 - k) + 0.05)
     assert max(ks[:200]) >= 30, "k reaches the persist's 30 within two windows (in proportion, far above p)"
-    # Lowering cannot see the cliff at 30 (below it every checkpoint waits): k probes
+    # Not fed the persist times, lowering cannot see the cliff at 30 (below it every checkpoint waits): k probes
     # below it now and then and is raised back at once; most of the time it is above.
     assert sum(k >= 30 for k in ks[2000:]) >= 0.75 * 2000, ks[2000:]
+
+
+def test_fed_the_persist_times_k_stops_probing_below_the_persist():
+    rate = AdaptiveRate(k=5, k_floor=5, overhead=0.035, reference_iter_s=1.0)
+    rate.record_persist(30.0)  # the same 30 s persist, now known to the rate
+    ks = _drive(rate, 4000, lambda k: max(0.0, 30.0 - k) + 0.05)
+    assert min(ks[1000:]) >= 30 and len(set(ks[2000:])) == 1, "no probing below the cliff: k settles above it"
+    assert rate.persist_floor == math.ceil(1.25 * 30.0)
+
+
+def test_the_persist_floor_stops_k_falling_but_does_not_lift_it():
+    rate = AdaptiveRate(k=40, k_floor=10, overhead=0.035, reference_iter_s=1.0)
+    rate.record_persist(20.0)  # needs 25 iterations with the margin
+    _stalled(rate, 2000, 0.02)  # nearly free: k falls, to the floor and no further
+    assert rate.k == 25, rate.history
+    for seconds in (60.0, 1.0, 1.0):  # one slow persist: k holds, not lifted to 75
+        rate.record_persist(seconds)
+        _stalled(rate, 200, 0.02)
+        assert rate.k == 25, rate.history
+    rate.record_persist(1.0)  # the slow one is out of the last 3: k may fall again
+    _stalled(rate, 2000, 0.02)
+    assert rate.k == 10, rate.history
 
 
 def _stalled(rate: AdaptiveRate, iterations: int, stall_s: float) -> None:

@@ -32,6 +32,14 @@ far: where k came down from higher, the cost is not proportional (a persist that
 k makes every checkpoint wait: 20 % at k = 25 where k = 30 costs nothing), and k climbs
 back in the damped steps.
 
+Never below the persist: fed the persists' wall times (``record_persist``), k is never
+lowered below ``persist_margin`` x the slowest of the last ``persist_memory`` persists, in
+quiet iterations (the last window's reference). Below that point the next checkpoint
+waits for the persist in flight, the wait shows as overhead far above p and k jumps back:
+on a machine whose persists slowed after profiling k went 12 -> 10 -> 8 -> 12 -> ... with
+the profile's persist bound as the only floor. Raising stays with the overhead: one
+heavy-tailed persist does not move k up on its own.
+
 Pauses (an iteration whose time outside stalls is ``pause_factor`` x the quiet one:
 evaluation, a data stall) are left out.
 """
@@ -39,6 +47,7 @@ evaluation, a data stall) are left out.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from ray_checkfreq.engine.measured import PAUSE_FACTOR, Sample, Stretch, measure
@@ -76,6 +85,10 @@ class AdaptiveConfig:
     """Overhead whose lower end (``confidence`` errors below) is above this many p raises k after one window ..."""
     max_fast_raise_factor: float = 3.0
     """... in proportion (lower end over ``raise_to * p``), at most by this factor."""
+    persist_margin: float = 1.25
+    """k is never lowered below this many times the slowest recent persist, in iterations ..."""
+    persist_memory: int = 3
+    """... of the last this many persists."""
 
     def __post_init__(self) -> None:
         if self.window_iters < 1 or self.min_checkpoints_per_window < 1 or self.patience < 1:
@@ -93,6 +106,9 @@ class AdaptiveConfig:
         if not self.fast_raise_above >= 1 or not self.max_fast_raise_factor >= self.max_raise_factor:
             raise ValueError(f"need fast_raise_above ({self.fast_raise_above}) >= 1 and max_fast_raise_factor "
                              f"({self.max_fast_raise_factor}) >= max_raise_factor ({self.max_raise_factor})")
+        if not self.persist_margin >= 1 or self.persist_memory < 1:
+            raise ValueError(f"need persist_margin ({self.persist_margin}) >= 1 and persist_memory "
+                             f"({self.persist_memory}) >= 1")
         if self.confidence < 0 or self.k_max < 1 or not self.pause_factor > 1:
             raise ValueError(f"need confidence ({self.confidence}) >= 0, k_max ({self.k_max}) >= 1, "
                              f"pause_factor ({self.pause_factor}) > 1")
@@ -123,6 +139,8 @@ class AdaptiveRate:
         self.pooled_error: float | None = None
         self.history: list[tuple[float, int]] = []  # (window overhead, k after the window)
         self.highest_k = self.k  # k rises in proportion only above it
+        self._persists: deque[float] = deque(maxlen=self.config.persist_memory)
+        self._window_reference_s: float | None = None  # the last window's quiet iteration
         self._recent: list[Stretch] = []  # the windows since k last changed
         self._reset_window()
 
@@ -142,6 +160,22 @@ class AdaptiveRate:
         self._recent = []
         self._reset_window()
 
+    def record_persist(self, seconds: float) -> None:
+        """A persist's wall time: k is not lowered below what the slowest recent ones need."""
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r}: a persist's wall time must be >= 0")
+        self._persists.append(seconds)
+
+    @property
+    def persist_floor(self) -> int:
+        """The smallest k at which the slowest recent persist, with the margin, ends before
+        the next checkpoint (1 without persists or an iteration time); at most ``k_cap``."""
+        iter_s = self._window_reference_s or self.reference_iter_s
+        if not self._persists or not iter_s:
+            return 1
+        need = math.ceil(round(self.config.persist_margin * max(self._persists) / iter_s, 9))
+        return min(self.k_cap, max(1, need))
+
     def _reset_window(self) -> None:
         self._samples: list[Sample] = []
 
@@ -155,6 +189,7 @@ class AdaptiveRate:
                          pause_factor=self.config.pause_factor, min_quiet=self.config.min_quiet_iters)
         self._reset_window()
         self.last_overhead, self.last_error = window.overhead, window.error
+        self._window_reference_s = window.reference_s or self._window_reference_s
         self._recent = (self._recent + [window])[-self.config.smooth_windows:]
         new_k = self._next_k()
         self.history.append((window.overhead, new_k))
@@ -181,7 +216,8 @@ class AdaptiveRate:
         lowering_seen = len(self._recent) >= config.smooth_windows  # falling waits longer than rising
         if lowering_seen and pooled.overhead + margin < config.lower_below * p and self.k > self.k_floor:
             factor = max(pooled.overhead / (config.lower_to * p), 1 / config.max_lower_factor)
-            return self._bounded(min(self.k - 1, math.ceil(self.k * factor)))
+            lowered = max(self._bounded(min(self.k - 1, math.ceil(self.k * factor))), self.persist_floor)
+            return min(self.k, lowered)  # the persist floor only stops k falling, never lifts it
         return self.k
 
     def _fast_raise(self) -> int | None:

@@ -143,6 +143,8 @@ class Planner:
     def record_persist(self, result: PersistResult) -> None:
         """A checkpoint is durable."""
         self._last_result = result
+        if self.adaptive is not None:
+            self.adaptive.record_persist(result.seconds)
         if self._profiling is not None and result.step == self._profiling.measured_at:
             self._profiling.measured_result = result
 
@@ -309,6 +311,8 @@ class Planner:
             self.adaptive = AdaptiveRate(k=decision.k, k_floor=decision.k_floor, overhead=self.config.overhead,
                                          config=self.config.adaptive_config, reference_iter_s=profile.iter_s,
                                          k_cap=k_cap)
+            if self._last_result is not None:  # profiling's last persist: the floor from the start
+                self.adaptive.record_persist(self._last_result.seconds)
 
 
 def _log_policy(config: CheckFreqConfig, profile: Profile, decision: Decision) -> None:

@@ -9,7 +9,10 @@ stalls included, is the checkpoint's cost as training feels it; the policy takes
 median over the warm checkpoints. Where they disagree wildly (a noisy machine: no
 majority of them within 2x of their median cost or persist time, or half an
 iteration), profiling measures more of them, up to ``MAX_WARM_SAMPLES``; if they still
-disagree, it takes the largest of each figure: the larger, conservative k.
+disagree, it takes the largest of each figure: the larger, conservative k. Where a
+majority agrees but the others cost more, the median can still hide what profiling's own
+checkpoints measurably cost: where their mean cost would put the k chosen from the median
+above p, k is chosen from the mean instead (``conservative`` in ``stats()["profiling"]``).
 
 So profiling takes, per codec it measures, 1 cold + 3 to 5 warm checkpoints (4 to 6);
 a second codec (compression, only where it could pay) doubles that.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from ray_checkfreq.engine.policy import (
     choose_interval,
     fixed_interval_codec,
     interference_s,
+    interval_overhead,
     iteration_time_s,
     quiet_reference_s,
 )
@@ -98,6 +102,7 @@ class ProfilingWindow:
     cold: set[str] = field(default_factory=set)  # codecs whose first (cold) checkpoint was discarded
     checkpoints: list[int] = field(default_factory=list)  # iterations of the checkpoints profiling asked for
     disagreed: dict[str, bool] = field(default_factory=dict)  # per codec: its warm samples still disagreed
+    conservative: dict[str, bool] = field(default_factory=dict)  # per codec: k from the mean cost, not the median
 
     def __post_init__(self) -> None:
         self.quiet_iters = max(self.quiet_iters, WARMUP_ITERS + MIN_TI_SAMPLES)
@@ -187,7 +192,9 @@ class ProfilingWindow:
         """What profiling measured, for ``stats()``: the quiet iterations and every warm sample."""
         return {"quiet_s": [round(t, 6) for t in self.quiet],
                 "samples": {codec: [asdict(sample) for sample in samples] for codec, samples in self.samples.items()},
-                "checkpoints": list(self.checkpoints), "disagreed": dict(self.disagreed)}
+                "checkpoints": list(self.checkpoints), "disagreed": dict(self.disagreed),
+                "conservative": dict(self.conservative),
+                "mean_cost_s": {codec: round(self.mean_cost_s(codec), 6) for codec in self.samples}}
 
     def iter_s(self) -> float:
         return iteration_time_s(self.quiet, warmup=WARMUP_ITERS)
@@ -203,8 +210,22 @@ class ProfilingWindow:
 
     def decide(self, measured: Measured, gpu: dict[str, Any], overhead: float,
                mtbf_s: float | None, k_cap: int | None = None) -> tuple[Profile, Decision]:
+        """The profile and k from ``measured``; the conservative k where what the warm
+        checkpoints cost on average would put the chosen k above p."""
         profile = self.profile(measured, gpu)
-        return profile, choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+        decision = choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+        spent = self.mean_cost_s(measured.codec)
+        heavier = replace(profile, interference_s=max(spent, profile.interference_s))
+        self.conservative[measured.codec] = interval_overhead(heavier, decision.overhead_s, decision.k) > overhead
+        if not self.conservative[measured.codec]:
+            return profile, decision
+        return heavier, choose_interval(heavier, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+
+    def mean_cost_s(self, codec: str) -> float:
+        """What the warm checkpoints of ``codec`` cost training on average: the overhead
+        profiling itself measured, per checkpoint (0 without samples)."""
+        samples = self.samples.get(codec, [])
+        return statistics.fmean(sample.interference_s for sample in samples) if samples else 0.0
 
 
 def samples_disagree(samples: list[Measured], *, iter_s: float) -> bool:
