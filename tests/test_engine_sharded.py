@@ -30,7 +30,7 @@ from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, Persis
 from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
 from ray_checkfreq.engine.seams import local_rng_state
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker, rank_part
-from ray_checkfreq.engine.snapshot import CopyHandle, Snapshot
+from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
 from ray_checkfreq.engine.state import ChunkPlace
 from ray_checkfreq.errors import FencedWriterError
 from ray_checkfreq.ray.decisions import BroadcastDecisions
@@ -408,7 +408,13 @@ def _snapshot(step: int) -> Snapshot:
              "rng": {"torch": torch.arange(4, dtype=torch.uint8)}, "checkfreq": {"iteration": step}}
     places = {("model", "w"): ChunkPlace(name="model/w", global_shape=(6, 2), offsets=(3, 0), owner=True),
               ("model", "scale"): ChunkPlace(name="model/scale", global_shape=(2,), offsets=(0,), owner=False)}
-    return Snapshot(step=step, state=state, epoch_boundary=False, copies=CopyHandle(), size_bytes=0, places=places)
+    snapshotter = Snapshotter("cpu")
+    try:
+        snapshot = snapshotter.take(step, state, set())  # copied now: its copies are complete
+    finally:
+        snapshotter.close()
+    snapshot.places = places
+    return snapshot
 
 
 def test_rank_part_keeps_owned_chunks_by_name_and_own_leaves_by_rank() -> None:
