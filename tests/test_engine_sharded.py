@@ -29,8 +29,10 @@ import torch.multiprocessing as mp
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
 from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
 from ray_checkfreq.engine.seams import local_rng_state
-from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
-from ray_checkfreq.engine.snapshot import Snapshot
+from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker, rank_part
+from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.state import ChunkPlace
+from ray_checkfreq.errors import FencedWriterError
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.chunks import Box
@@ -399,3 +401,43 @@ def test_set_own_rng_takes_a_list_or_a_mapping_of_ranks() -> None:
 def test_commit_wait_is_validated(wait: Any) -> None:
     with pytest.raises(ValueError, match="commit_wait_s"):
         CheckFreqConfig(commit_wait_s=wait)
+
+
+def _snapshot(step: int) -> Snapshot:
+    state = {"model": {"w": torch.arange(6.0).reshape(3, 2), "scale": torch.ones(2)},
+             "rng": {"torch": torch.arange(4, dtype=torch.uint8)}, "checkfreq": {"iteration": step}}
+    places = {("model", "w"): ChunkPlace(name="model/w", global_shape=(6, 2), offsets=(3, 0), owner=True),
+              ("model", "scale"): ChunkPlace(name="model/scale", global_shape=(2,), offsets=(0,), owner=False)}
+    snapshotter = Snapshotter("cpu")
+    try:
+        snapshot = snapshotter.take(step, state, set())  # copied now: its copies are complete
+    finally:
+        snapshotter.close()
+    snapshot.places = places
+    return snapshot
+
+
+def test_rank_part_keeps_owned_chunks_by_name_and_own_leaves_by_rank() -> None:
+    snapshot = _snapshot(3)
+    assert snapshot.places is not None
+    part = rank_part(snapshot.state, snapshot.places, rank=1)
+    assert [(c.key, c.global_shape, c.offsets, c.rank) for c in part.chunks] == [
+        ("model/w", (6, 2), (3, 0), 1), ("rank/1/rng/torch", (4,), (0,), 1)]  # scale: rank 0 owns it
+    assert part.skeleton["leaves"] == [{"key": "model/w", "rank": False}, {"key": "model/scale", "rank": False},
+                                       {"key": "rank/1/rng/torch", "rank": True}]
+
+
+def test_a_fenced_rank_part_is_a_persist_failure(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path))
+    store.acquire_writer()
+    ShardedStore(str(tmp_path)).acquire_writer()  # a newer run took over
+    worker = ShardedPersistWorker(store, rank=1, world_size=2, commit_wait_s=1.0)
+    try:
+        worker.submit(_snapshot(3))
+        worker.wait_idle()
+        with pytest.raises(PersistError, match="iteration 3.*FencedWriterError") as failure:
+            worker.raise_if_failed()
+        assert isinstance(failure.value.__cause__, FencedWriterError)
+    finally:
+        worker.close()
+    assert store.list() == []
