@@ -51,7 +51,9 @@ def train(config: dict) -> None:
     arrays = jobs.full_state(model, optimizer)  # a collective
     if rank == 0:
         jobs.save_arrays(Path(work_dir) / "final.npz", arrays)
-    log(work_dir, rank, event="end", iteration=cf.iteration, stats={"k": cf.stats().get("k")})
+    stats = cf.stats()
+    log(work_dir, rank, event="end", iteration=cf.iteration,
+        stats={key: stats.get(key) for key in ("k", "sharded", "snapshots", "checkpoints_committed")})
 
 
 def reference(rank: int, world: int, root: Path) -> None:

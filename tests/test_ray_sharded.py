@@ -48,9 +48,13 @@ def fit(tmp_path, name: str, storage: str, *, workers: int, max_failures: int, *
     return fit_job(job, raise_errors=False), work_dir
 
 
-def starts(work_dir: str, rank: int) -> list[dict]:
+def events(work_dir: str, rank: int, kind: str) -> list[dict]:
     with open(os.path.join(work_dir, f"log-{rank}.jsonl")) as lines:
-        return [e for e in map(json.loads, lines) if e["event"] == "start"]
+        return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def starts(work_dir: str, rank: int) -> list[dict]:
+    return events(work_dir, rank, "start")
 
 
 def committed_steps(storage: str) -> list[int]:
@@ -83,6 +87,8 @@ def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_
         assert restarted["iteration"] == 9, restarted
         assert restarted["restore"]["kind"] == "storage" and restarted["restore"]["step"] == 9
     assert max(committed_steps(storage)) == 15
+    ends = [events(work_dir, rank, "end")[-1]["stats"] for rank in (0, 1)]
+    assert all(end["sharded"] and end["snapshots"] for end in ends), ends
     final = sharded_state_jobs.load_arrays(os.path.join(work_dir, "final.npz"))
     assert_equal_state(final, reference)
 
