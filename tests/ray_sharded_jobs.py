@@ -46,6 +46,10 @@ def train(config: dict) -> None:
         if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
             log(work_dir, rank, event="kill", iteration=cf.iteration)
             os.kill(os.getpid(), signal.SIGKILL)
+        if cf.iteration == config.get("gather_at"):  # the whole state as this iteration's checkpoint holds it
+            arrays = jobs.full_state(model, optimizer)  # a collective
+            if rank == 0:
+                jobs.save_arrays(Path(work_dir) / f"at-{cf.iteration}.npz", arrays)
         time.sleep(config.get("sleep_s", 0.0))
     cf.close()
     arrays = jobs.full_state(model, optimizer)  # a collective

@@ -78,7 +78,7 @@ def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_
 
     storage = str(tmp_path / "store")
     result, work_dir = fit(tmp_path, "kill", storage, workers=2, max_failures=1, every=3, sleep_s=0.2,
-                           kill={"rank": 1, "iteration": 11})
+                           kill={"rank": 1, "iteration": 11}, gather_at=15)
     assert not isinstance(result, Exception), result
     for rank in (0, 1):
         first, restarted = starts(work_dir, rank)
@@ -91,6 +91,15 @@ def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_
     assert all(end["sharded"] and end["snapshots"] for end in ends), ends
     final = sharded_state_jobs.load_arrays(os.path.join(work_dir, "final.npz"))
     assert_equal_state(final, reference)
+    # Result.checkpoint points at the newest committed step; load() gathers it whole here.
+    from ray_checkfreq.ray import load
+    from ray_checkfreq.storage.tree import leaves_of
+
+    loaded = load(result.checkpoint)
+    assert loaded["checkfreq"]["iteration"] == 15
+    gathered = {name: np.asarray(leaf) for _, name, leaf in leaves_of({"model": loaded["model"],
+                                                                       "optimizer": loaded["optimizer"]})}
+    assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-15.npz")))
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_resharded(ray_session, tmp_path, reference):

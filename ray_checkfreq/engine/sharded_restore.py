@@ -115,3 +115,24 @@ def _check_targets(targets: list[TensorChunk], manifest: ShardedManifest, saved_
     extra = saved_names - {chunk.name for chunk in targets}
     if extra:
         raise RestoreMismatchError(sorted(extra)[0], "in the checkpoint but not in the model or optimizer")
+
+
+def load_gathered(store: ShardedStore, step: int | None = None) -> dict[str, Any]:
+    """The whole state of a sharded checkpoint in this process, as ``CheckpointStore.load``
+    gives a replica's: every model and optimizer tensor gathered whole (ranged reads of its
+    chunks), RNG, extra and data state as rank 0 saved them. It holds the whole state in
+    memory: for inspection and single-process use, not for a restore (``load_sharded``)."""
+    ref = store.latest() if step is None else find_ref(store, step)
+    if ref is None:
+        raise CheckpointNotFoundError(f"no complete sharded checkpoint in {store.uri}")
+    manifest = store.manifest(ref)
+    tree, keys, _ = _skeleton(store.load_skeletons(ref, [0])[0], ref.uri)
+    wanted: dict[str, list[Box]] = {}
+    for key in dict.fromkeys(keys):
+        shape = tuple(_tensor_of(manifest, key, ref.uri).global_shape)
+        wanted[key] = [Box((0,) * len(shape), shape)]
+    loaded = store.load_chunks(ref, wanted)
+    try:
+        return unflatten_state(tree, [loaded[key][0] for key in keys])
+    except SkeletonError as err:
+        raise CorruptCheckpointError(ref.uri, f"skeleton: {err}") from None

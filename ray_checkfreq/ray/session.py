@@ -348,7 +348,8 @@ class CheckFreq:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
-                "snapshots": self.snapshots, "sharded": self.sharded, "restore": self.restore_info, "notices": list(self.notices),
+                "snapshots": self.snapshots, "sharded": self.sharded, "restore": self.restore_info,
+                "notices": list(self.notices),
                 "policy_decisions": list(self.policy_decisions),
                 "metrics": self.metrics.values() if self.metrics is not None else None,
                 "registration": self._registrar.stats() if self._registrar is not None else None}
