@@ -176,13 +176,13 @@ TIERS = {
     "integration": (
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
         "test_store_s3.py", "test_sharded_store.py", "test_sharded_export.py", "test_store_fencing.py",
-        "test_hostile_store.py",
+        "test_hostile_store.py", "test_engine_sharded.py",
         "test_shared_policy.py",
         "test_ray_registration.py",
     ),
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
-        "test_ray_train.py", "test_ray_train_examples.py",
+        "test_ray_train.py", "test_ray_train_examples.py", "test_ray_sharded.py",
     ),
     "tooling": (
         "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",

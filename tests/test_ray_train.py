@@ -308,3 +308,45 @@ def test_losing_rank0s_node_resumes_from_the_other_nodes_slot(reference, train_n
     reached = max(e["iteration"] for rank in (0, 1) for e in attempt_batches(work_dir, rank, 0))
     assert 20 <= second["iteration"] <= reached and second["restore"]["committed_step"] < second["iteration"]
     assert_same_weights(final_weights(work_dir), reference)
+
+
+def test_an_elastic_fsdp2_run_that_loses_a_node_goes_on_resharded_at_a_smaller_world_size(train_nodes, tmp_path):
+    """FSDP2 (tests/ray_sharded_jobs.py) on ``workers=(2, 3)``: rank 1's node is removed at
+    iteration 8, Ray Train restarts the group on the 2 nodes left, and every new rank reads
+    its boxes of the newest complete 3-rank step. The global batch is fixed, so the run ends
+    within rounding of training that never stopped."""
+    import numpy as np
+    import ray_sharded_jobs
+    import sharded_state_jobs
+
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
+
+    require_train_nodes(train_nodes, 3)
+    while len(train_nodes.worker_nodes) > 3:  # the module's last test: no spare, so the restart has 2 nodes
+        train_nodes.remove_node(next(iter(train_nodes.worker_nodes)), allow_graceful=False)
+    (tmp_path / "ref").mkdir()
+    sharded_state_jobs.spawn(ray_sharded_jobs.reference, 2, str(tmp_path / "ref"))
+    reference = sharded_state_jobs.load_arrays(tmp_path / "ref" / "reference.npz")
+    work = tmp_path / "elastic"
+    os.makedirs(work)
+    removed: dict = {}
+    remove = when_rank_reaches(str(work), 1, 8, remover(train_nodes, removed))
+    run_name = f"elastic-fsdp2-{uuid.uuid4().hex[:6]}"
+    job = TrainJob(train=ray_sharded_jobs.train, name=run_name, storage_path=str(tmp_path / "results"),
+                   config={"work_dir": str(work), "storage": str(tmp_path / "store"), "every": 3, "sleep_s": 0.3,
+                           "iterations": ray_sharded_jobs.ITERATIONS},
+                   workers=(2, 3), resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2)
+    result = fit_job(job, raise_errors=False)
+    remove.join(timeout=5)
+    assert not isinstance(result, Exception), result
+    assert removed, "the node was never removed"
+    first, second = events(str(work), 0, "start")[:2]
+    assert (first["world_size"], second["world_size"]) == (3, 2)
+    reached = max(e["iteration"] for rank in (0, 1, 2) for e in attempt_batches(str(work), rank, 0))
+    assert second["restore"]["kind"] == "storage" and second["restore"]["step"] == second["iteration"]
+    assert second["iteration"] % 3 == 0 and 6 <= second["iteration"] <= reached
+    final = sharded_state_jobs.load_arrays(work / "final.npz")
+    assert sorted(final) == sorted(reference)
+    for name, value in reference.items():
+        np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-9, err_msg=name)
+    assert_nothing_left(run_name)

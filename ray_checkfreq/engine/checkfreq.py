@@ -28,6 +28,7 @@ persist, fence, open checkpoint) and ``EngineStats`` (stats.py) keeps the figure
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -38,15 +39,19 @@ import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveRate
 from ray_checkfreq.engine.config import CheckFreqConfig, config_from
-from ray_checkfreq.engine.executor import Executor, TrainingState
+from ray_checkfreq.engine.executor import Executor, ShardedMode, TrainingState
 from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
-from ray_checkfreq.engine.seams import EngineSeams
+from ray_checkfreq.engine.rng import set_own_rng
+from ray_checkfreq.engine.seams import EngineSeams, LocalDecisions, set_local_rng_state
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
+from ray_checkfreq.engine.state import state_adapter
 from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
+from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.sharded_store import ShardedStore
 
 __all__ = ["CHECKPOINT_CAUSES", "PROFILE_NAME", "CheckFreq", "CheckFreqConfig"]
 
@@ -108,7 +113,7 @@ class CheckFreq:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        storage: str | CheckpointStore,
+        storage: str | CheckpointStore | ShardedStore,
         data: Any = None,
         extra_state: Mapping[str, Any] | None = None,
         overhead: float | None = None,
@@ -131,9 +136,10 @@ class CheckFreq:
         self.model, self.optimizer, self.data = model, optimizer, data
         self.extra_state = dict(extra_state or {})
         _check_stateful(data, self.extra_state)
-        self.store = storage if isinstance(storage, CheckpointStore) else CheckpointStore(storage)
+        self._sharded = _sharded_mode(model, optimizer, storage, seams, self.config)
+        self.store: CheckpointStore | ShardedStore = _store_for(storage, self._sharded)
         self.stop_at: int | None = None  # planner only: checkpoint at this iteration (or the next planned) and stop
-        self._seams = seams if seams is not None else EngineSeams()
+        self._seams = _seams_for(seams, self._sharded)
         self._decisions = self._seams.decisions
         self._stats = EngineStats()
         self._planner, self._executor = self._parts(model, optimizer, data)
@@ -155,7 +161,7 @@ class CheckFreq:
                           gpu_measurements=lambda size: _gpu_measurements(model, optimizer, size))
         live = TrainingState(model=model, optimizer=optimizer, data=data, extra_state=self.extra_state)
         executor = Executor(live, store=self.store, seams=self._seams, stats=self._stats, k=self.config.every,
-                            on_persisted=self._persist_done)
+                            on_persisted=self._persist_done, sharded=self._sharded)
         return planner, executor
 
     # ----------------------------------------------------------------- restore
@@ -165,7 +171,15 @@ class CheckFreq:
         Takes this run's writer generation first: a process of an earlier run that is still
         writing to the same storage (an old rank 0 after a restart) can no longer commit, so
         the checkpoint read here stays the newest one until this run saves its own.
+
+        Sharded mode (a model with DTensor parameters): alone (world size 1), the newest
+        committed step after ``salvage()``; with more ranks the caller chooses the step
+        (rank 0, handing its writer generation to the others: ``store.adopt_generation``)
+        and every rank calls ``load_sharded``.
         """
+        if self._sharded is not None:
+            return self._restore_sharded(self._sharded)
+        assert isinstance(self.store, CheckpointStore)
         self.store.acquire_writer()
         self.load_cached_profile()
         if not self.store.list():
@@ -175,6 +189,45 @@ class CheckFreq:
         # rather than silently starting over.
         iteration = self.apply_state(self.store.load())
         logger.info("restored iteration %d from %s", iteration, self.store.uri)
+        return iteration
+
+    def _restore_sharded(self, mode: ShardedMode) -> int:
+        store = self.store
+        assert isinstance(store, ShardedStore)
+        if mode.world_size > 1:
+            raise RuntimeError(
+                f"CheckFreq.restore() in sharded mode with {mode.world_size} ranks: every rank must load the same "
+                "step, so the caller chooses it (rank 0: store.acquire_writer(), store.salvage(), store.latest(); "
+                "it hands the step and its writer generation to the others, which call "
+                "store.adopt_generation(g)) and every rank calls cf.load_sharded(step)")
+        store.acquire_writer()
+        store.salvage()
+        self.load_cached_profile()
+        refs = store.list()
+        if not refs:
+            self._begin(0)
+            return 0
+        failure: Exception | None = None
+        for ref in reversed(refs):  # falls back past a damaged checkpoint, never silently to 0
+            try:
+                return self.load_sharded(ref.step)
+            except CorruptCheckpointError as err:
+                logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
+                failure = err
+        assert failure is not None
+        raise failure
+
+    def load_sharded(self, step: int) -> int:
+        """Sharded mode: load committed ``step`` into this rank's shards of model and
+        optimizer (from any saved world size), its extra state, data and RNG states, and
+        resume counting from it; returns its iteration. Every rank calls it with the same
+        step: it is a collective."""
+        if self._sharded is None or not isinstance(self.store, ShardedStore):
+            raise RuntimeError("load_sharded() is for a sharded model (DTensor parameters); use restore()")
+        iteration = self._executor.load_sharded(self.store, step)
+        self._begin(iteration)
+        logger.info("rank %d restored iteration %d (step %d) from %s", self._sharded.rank, iteration, step,
+                    self.store.uri)
         return iteration
 
     def apply_state(self, state: Mapping[str, Any]) -> int:
@@ -198,6 +251,19 @@ class CheckFreq:
             return
         self._cached = self._profile_cache.read()
 
+    def _check_writer(self) -> None:
+        """Sharded mode: a store without a writer generation takes one when alone; with more
+        ranks each must have been handed rank 0's (else no part could be written)."""
+        store, mode = self.store, self._sharded
+        if mode is None or not isinstance(store, ShardedStore) or store.writer_generation is not None:
+            return
+        if mode.world_size == 1:
+            store.acquire_writer()
+            return
+        raise RuntimeError(f"rank {mode.rank}: {store!r} has no writer generation; rank 0 takes one "
+                           "(store.acquire_writer()) and hands it to every rank (store.adopt_generation(g)) "
+                           "before the first step")
+
     def _use_cached_profile(self) -> None:
         cached, self._cached = self._cached, None
         if cached is None:
@@ -220,6 +286,7 @@ class CheckFreq:
             self._started = True
             if not self._begun:
                 self._begin(self.iteration)  # restore() was not called: start from 0
+            self._check_writer()
             self._use_cached_profile()
         now = self._seams.clock()
         # Counted before anything can raise: the optimizer has stepped, so has the iteration.
@@ -266,12 +333,16 @@ class CheckFreq:
             self._profile_cache.write(measured, decision)
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._executor.loading:
+            return
         self._planner.record_update(self._seams.clock() - self._executor.update_started)
 
     def _persist_done(self, result: PersistResult) -> None:
         """The persister's report (from its thread): counted now, told to the planner at the next step."""
         self._stats.record_persist(result)
         self._persisted.append(result)
+        if self._seams.on_persisted is not None:
+            self._seams.on_persisted(result)
 
     def _tell_planner(self) -> None:
         while self._persisted:
@@ -352,7 +423,57 @@ def _gpu_measurements(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return {"gpu_copy_s": gpu_copy_s, "peak_memory_bytes": peak, "total_memory_bytes": total}
 
 
-def _forced_codec(compress: bool | None, store: CheckpointStore) -> str | None:
+def _sharded_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer, storage: Any,
+                  seams: EngineSeams | None, config: CheckFreqConfig) -> ShardedMode | None:
+    """The sharded mode for a model with DTensor parameters (None: the plain engine);
+    ValueError when the storage or the decision channel does not fit the model."""
+    adapter = state_adapter(model, optimizer)
+    if not adapter.sharded:
+        if isinstance(storage, ShardedStore):
+            raise ValueError(f"storage={storage!r} is a ShardedStore but the model's parameters are plain "
+                             "tensors (not DTensors): pass a CheckpointStore or a URI")
+        return None
+    if isinstance(storage, CheckpointStore):
+        raise ValueError(f"storage={storage!r} is a CheckpointStore but the model is sharded (DTensor "
+                         "parameters): pass a ShardedStore or a URI")
+    rank, world_size = _rank_and_world()
+    if seams is not None and not seams.takes_snapshots:
+        raise ValueError(f"rank {rank}: EngineSeams(takes_snapshots=False) with a sharded model: every rank holds "
+                         "a different piece of the state, so every rank snapshots and writes its own part")
+    decisions = seams.decisions if seams is not None else LocalDecisions()
+    if world_size > 1 and isinstance(decisions, LocalDecisions):
+        raise ValueError(f"a sharded model on {world_size} ranks with LocalDecisions: every rank must checkpoint "
+                         "the same iterations, so the decision channel must be shared (EngineSeams(decisions="
+                         "...), e.g. ray_checkfreq.ray.decisions.BroadcastDecisions)")
+    return ShardedMode(adapter=adapter, rank=rank, world_size=world_size, commit_wait_s=config.commit_wait_s)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _store_for(storage: str | CheckpointStore | ShardedStore,
+               sharded: ShardedMode | None) -> CheckpointStore | ShardedStore:
+    if isinstance(storage, (CheckpointStore, ShardedStore)):
+        return storage
+    return ShardedStore(storage) if sharded is not None else CheckpointStore(storage)
+
+
+def _seams_for(seams: EngineSeams | None, sharded: ShardedMode | None) -> EngineSeams:
+    """Sharded mode restores each rank's own RNG states (a new rank's seeded): the default
+    setter becomes the rank-aware one (seed 0)."""
+    seams = seams if seams is not None else EngineSeams()
+    if sharded is None or seams.set_rng_state is not set_local_rng_state:
+        return seams
+    rank = sharded.rank
+    return dataclasses.replace(seams, set_rng_state=lambda saved: set_own_rng(saved, rank=rank, seed=0))
+
+
+def _forced_codec(compress: bool | None, store: CheckpointStore | ShardedStore) -> str | None:
     """The codec fixed by configuration, or None to measure: a store set to raw stays raw."""
     if compress is None:
         return "raw" if store.config.codec == "raw" else None

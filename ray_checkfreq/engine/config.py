@@ -50,6 +50,8 @@ class CheckFreqConfig:
     None: no bound."""
     lost_work_floor_s: float = 10.0
     """Seconds: the lost-work bound never asks for k under this much work."""
+    commit_wait_s: float = 120.0
+    """Sharded mode: seconds rank 0's persist waits for every rank's part before the step counts as failed."""
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:
@@ -70,6 +72,9 @@ class CheckFreqConfig:
             raise ValueError(f"max_lost_fraction={fraction!r}: must be None or a fraction of an epoch in (0, 1]")
         if isinstance(self.lost_work_floor_s, bool) or not self.lost_work_floor_s >= 0:
             raise ValueError(f"lost_work_floor_s={self.lost_work_floor_s!r}: must be seconds >= 0")
+        wait = self.commit_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < float("inf"):
+            raise ValueError(f"commit_wait_s={wait!r}: must be seconds > 0")
 
     def k_cap(self, iter_s: float = 0.0) -> int | None:
         """The lost-work bound on the policy's k at iterations of ``iter_s`` (None: none)."""

@@ -23,9 +23,13 @@ import torch
 from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWorker
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
 from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
+from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
+from ray_checkfreq.engine.sharded_restore import find_ref, load_rank_state
 from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
 from ray_checkfreq.engine.stats import EngineStats
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
@@ -50,6 +54,16 @@ class _Restored:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShardedMode:
+    """The engine's sharded mode: every rank snapshots and persists its own local pieces."""
+
+    adapter: StateAdapter
+    rank: int
+    world_size: int
+    commit_wait_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingState:
     """What a checkpoint holds, live: the objects whose state is saved and restored."""
 
@@ -65,15 +79,18 @@ class TrainingState:
 class Executor:
     """Snapshot, persist, fence and open-checkpoint completion for the actions applied here."""
 
-    def __init__(self, state: TrainingState, *, store: CheckpointStore, seams: EngineSeams, stats: EngineStats,
-                 k: int | None, on_persisted: Callable[[PersistResult], None]) -> None:
+    def __init__(self, state: TrainingState, *, store: CheckpointStore | ShardedStore, seams: EngineSeams,
+                 stats: EngineStats, k: int | None, on_persisted: Callable[[PersistResult], None],
+                 sharded: ShardedMode | None = None) -> None:
         self.state = state
+        self.sharded = sharded
+        self.loading = False  # a sharded restore steps the optimizer once to create its state: no update
         self.stats = stats
         self.iteration = 0  # the iterations step() counted
         self.k_applied = k  # the k of the actions applied so far
         self.stop_requested = False  # an applied action asked the run to stop (a preemption)
         self.snapshotter = Snapshotter("cpu", host_memory=seams.host_memory)
-        self.persist = _new_persister(seams, store, on_persisted)
+        self.persist = _new_persister(seams, store, on_persisted, sharded)
         self.sees_next_iteration = callable(getattr(state.data, "add_fetch_hook", None))
         self.update_started = 0.0  # when the running optimizer.step() began
         self._seams = seams
@@ -108,14 +125,36 @@ class Executor:
         check_optimizer_state(live.optimizer, state["optimizer"], state["checkfreq"])
         live.model.load_state_dict(state["model"])
         live.optimizer.load_state_dict(state["optimizer"])
+        return self._load_rest(state, state["rng"])
+
+    def load_sharded(self, store: ShardedStore, step: int) -> int:
+        """Sharded mode, on every rank (a collective): fill model and optimizer with this
+        rank's boxes of ``step`` (any saved world size), then extra state, data and this
+        rank's RNG states; returns the step's iteration."""
+        mode = self.sharded
+        if mode is None:
+            raise RuntimeError("load_sharded is for a sharded model (DTensor parameters)")
+        ref = find_ref(store, step)
+        self.loading = True
+        try:
+            loaded = load_rank_state(store, ref, mode.adapter, rank=mode.rank,
+                                     optimizer_class=type(self.state.optimizer).__qualname__)
+        finally:
+            self.loading = False
+        own = {mode.rank: loaded.state["rng"]} if mode.rank < loaded.saved_world_size else {}
+        return self._load_rest(loaded.state, {"world_size": loaded.saved_world_size, "ranks": own})
+
+    def _load_rest(self, state: Mapping[str, Any], rng: Any) -> int:
+        """Extra state, data and RNGs of a loaded checkpoint (model and optimizer are in)."""
+        live = self.state
         for name, obj in live.extra_state.items():
             obj.load_state_dict(state["extra"][name])
         if live.data is not None and state.get("data") is not None:
             live.data.load_state_dict(state["data"])
-        self._seams.set_rng_state(state["rng"])
+        self._seams.set_rng_state(rng)
         if self.sees_next_iteration:
             self._reapply = _Restored(
-                rng=state["rng"], extra=live.extra_dicts(),
+                rng=rng, extra=live.extra_dicts(),
                 groups=[{k: v for k, v in group.items() if k != "params"} for group in live.optimizer.param_groups])
         return int(state["checkfreq"]["iteration"])
 
@@ -159,6 +198,8 @@ class Executor:
         self.stats.add_checkpoint_stall(spent)
 
     def _take_snapshot(self, epoch_boundary: bool, rng: Any) -> Snapshot:
+        if self.sharded is not None:
+            return self._take_sharded_snapshot(self.sharded.adapter, epoch_boundary, rng)
         live_state = self.state
         model, optimizer = live_state.model, live_state.optimizer
         param_ptrs = {p.data_ptr() for p in model.parameters()}
@@ -168,18 +209,48 @@ class Executor:
             "model_params": live_params,
             "model_buffers": {k: v for k, v in model_state.items() if k not in live_params},
             "optimizer": optimizer.state_dict(),
+            **self._other_parts(rng),
+        }
+        snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
+        snapshot.state = _merge_model(snapshot.state, model_state)
+        return snapshot
+
+    def _take_sharded_snapshot(self, adapter: StateAdapter, epoch_boundary: bool, rng: Any) -> Snapshot:
+        """This rank's local pieces (``to_local()`` views) of model and optimizer, plus its
+        own extra, data and RNG state; every model/optimizer leaf's place goes along."""
+        live_dicts = adapter.live_state()
+        view = adapter.local_view(live_dicts)
+        model_local = view.state["model"]
+        params = adapter.param_keys(live_dicts["model"])
+        live = {
+            "model_params": {k: v for k, v in model_local.items() if k in params},
+            "model_buffers": {k: v for k, v in model_local.items() if k not in params},
+            "optimizer": view.state["optimizer"],
+            **self._other_parts(rng),
+        }
+        snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
+        snapshot.state = _merge_model(snapshot.state, model_local)
+        snapshot.places = {chunk.path: ChunkPlace.of(chunk) for chunk in view.chunks}
+        return snapshot
+
+    def _other_parts(self, rng: Any) -> dict[str, Any]:
+        live_state = self.state
+        return {
             "extra": live_state.extra_dicts(),
             "data": live_state.data.state_dict() if live_state.data is not None else None,
             "rng": rng,
             "checkfreq": {
                 "iteration": self.iteration,
-                "optimizer_class": type(optimizer).__qualname__,
+                "optimizer_class": type(live_state.optimizer).__qualname__,
                 "k": self.k_applied,
             },
         }
-        snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
-        snapshot.state = _merge_model(snapshot.state, model_state)
-        return snapshot
+
+    def _optimizer_groups(self) -> Any:
+        """The optimizer's hyper-parameter groups as its snapshot holds them."""
+        if self.sharded is not None:
+            return self.sharded.adapter.live_state()["optimizer"]["param_groups"]
+        return self.state.optimizer.state_dict()["param_groups"]
 
     # ------------------------------------------------- around the iterations
     def step_begins(self) -> None:
@@ -194,6 +265,8 @@ class Executor:
 
     def before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An ``optimizer.step()`` pre-hook: the fence (the snapshot's copies land first)."""
+        if self.loading:
+            return
         self.complete_unseen()
         self._check_lr_unchanged()
         handle = self._fence_handle
@@ -231,7 +304,7 @@ class Executor:
             rng = self._seams.rng_state() if refresh else None
             if snapshot is not None and refresh:
                 parts = {("rng",): rng, ("extra",): self.state.extra_dicts(),
-                         ("optimizer", "param_groups"): self.state.optimizer.state_dict()["param_groups"]}
+                         ("optimizer", "param_groups"): self._optimizer_groups()}
                 try:
                     self.snapshotter.refresh(snapshot, parts)
                 except ValueError as err:
@@ -292,12 +365,17 @@ class Executor:
             self.snapshotter.close()
 
 
-def _new_persister(seams: EngineSeams, store: CheckpointStore,
-                   on_persisted: Callable[[PersistResult], None]) -> Persister:
+def _new_persister(seams: EngineSeams, store: CheckpointStore | ShardedStore,
+                   on_persisted: Callable[[PersistResult], None], sharded: ShardedMode | None) -> Persister:
     if not seams.takes_snapshots:
         return NullPersister()
     if seams.persister is not None:
         return seams.persister(store, on_persisted)
+    if sharded is not None:
+        assert isinstance(store, ShardedStore)
+        return ShardedPersistWorker(store, rank=sharded.rank, world_size=sharded.world_size,
+                                    commit_wait_s=sharded.commit_wait_s, on_done=on_persisted)
+    assert isinstance(store, CheckpointStore)
     return PersistWorker(store, on_done=on_persisted)
 
 

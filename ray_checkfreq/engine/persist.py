@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,10 +52,19 @@ class PersistResult:
     uri: str
 
 
-class PersistWorker:
-    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None = None,
-                 nice: int = PERSIST_NICE) -> None:
-        self.store = store
+@dataclass(frozen=True)
+class Saved:
+    """What one save wrote (``PersistThread._save``)."""
+
+    codec: str
+    stored_bytes: int
+    uri: str
+
+
+class PersistThread(ABC):
+    """The persist thread and its one-job-at-a-time protocol; ``_save`` writes a snapshot."""
+
+    def __init__(self, on_done: Callable[[PersistResult], None] | None = None, nice: int = PERSIST_NICE) -> None:
         self._nice = nice
         self._on_done = on_done
         self._cond = threading.Condition()
@@ -127,7 +137,9 @@ class PersistWorker:
         try:
             snapshot.copies.wait()
             copied = time.perf_counter()
-            ref = self.store.save(snapshot.step, snapshot.state, epoch_boundary=snapshot.epoch_boundary, **options)
+            saved = self._save(snapshot, options)
+        except PersistError as err:
+            return None, err
         except BaseException as err:
             error = PersistError(snapshot.step, f"{type(err).__name__}: {err}")
             error.__cause__ = err
@@ -136,11 +148,29 @@ class PersistWorker:
             step=snapshot.step,
             seconds=time.perf_counter() - start,
             copy_s=copied - start,
-            codec=str(options.get("codec", self.store.config.codec)),
+            codec=saved.codec,
             raw_bytes=snapshot.size_bytes,
-            stored_bytes=ref.size_bytes,
-            uri=ref.uri,
+            stored_bytes=saved.stored_bytes,
+            uri=saved.uri,
         ), None
+
+    @abstractmethod
+    def _save(self, snapshot: Snapshot, options: dict) -> Saved:
+        """Write the snapshot (its copies have landed); raise on failure."""
+
+
+class PersistWorker(PersistThread):
+    """Saves each snapshot whole with ``CheckpointStore.save`` (one process, or a replica's rank 0)."""
+
+    def __init__(self, store: CheckpointStore, on_done: Callable[[PersistResult], None] | None = None,
+                 nice: int = PERSIST_NICE) -> None:
+        self.store = store
+        super().__init__(on_done, nice)
+
+    def _save(self, snapshot: Snapshot, options: dict) -> Saved:
+        ref = self.store.save(snapshot.step, snapshot.state, epoch_boundary=snapshot.epoch_boundary, **options)
+        return Saved(codec=str(options.get("codec", self.store.config.codec)), stored_bytes=ref.size_bytes,
+                     uri=ref.uri)
 
 
 def _lower_priority(nice: int) -> None:
@@ -169,7 +199,9 @@ class Persister(Protocol):
     def close(self) -> None: ...
 
 
-PersisterFactory = Callable[[CheckpointStore, Callable[[PersistResult], None]], Persister]
+# Called with the engine's store (a CheckpointStore; a ShardedStore in sharded mode) and
+# the callback for each persisted checkpoint.
+PersisterFactory = Callable[[Any, Callable[[PersistResult], None]], Persister]
 
 
 class NullPersister:

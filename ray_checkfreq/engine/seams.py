@@ -114,6 +114,9 @@ class EngineSeams:
     observe: Callable[[int, float, float, bool], None] | None = None
     # False: the planner's k adapts elsewhere (a policy shared by all ranks calls set_k).
     local_adaptive: bool = True
+    # Called with each PersistResult of this rank's persister (from its thread; on rank 0 of
+    # a sharded state, after the global commit); it must not block.
+    on_persisted: Callable[[Any], None] | None = None
     # The engine's clock for iteration times and stalls (a simulated one in tests).
     clock: Callable[[], float] = time.perf_counter
 

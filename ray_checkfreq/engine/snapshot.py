@@ -138,6 +138,9 @@ class Snapshot:
     copies: CopyHandle
     size_bytes: int
     memory: Any = None  # the HostMemory token whose views hold this snapshot's host buffers
+    # Sharded mode: the place (engine/state.py ChunkPlace) of every model and optimizer
+    # tensor leaf, by its key path in ``state``; None for a whole-state snapshot.
+    places: Mapping[KeyPath, Any] | None = None
 
 
 class Snapshotter:

@@ -66,6 +66,22 @@ class TensorChunk:
 
 
 @dataclass(frozen=True)
+class ChunkPlace:
+    """Where a snapshot's copy of a chunk belongs, without the live tensor: a chunk
+    record the persist thread may keep after the training moved on."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    owner: bool
+
+    @staticmethod
+    def of(chunk: TensorChunk) -> ChunkPlace:
+        return ChunkPlace(name=chunk.name, global_shape=chunk.global_shape, offsets=chunk.box.offsets,
+                          owner=chunk.owner)
+
+
+@dataclass(frozen=True)
 class LocalState:
     """``state`` with every tensor leaf replaced by ``TensorChunk.local``, and its chunks in
     walk order (the order ``flatten_state(state)`` lists its tensor leaves)."""
@@ -133,6 +149,12 @@ class StateAdapter(ABC):
         names = {name for name, _ in self.model.named_parameters()}
         return {key for key, value in model_state.items()
                 if (_local(value).data_ptr() in pointers if _local(value).numel() else key in names)}
+
+    def restore_targets(self) -> list[TensorChunk]:
+        """The chunks ``apply`` will hand to ``fill``, in order (lazily made optimizer state
+        is created first), so that a reader can fetch all of them in one pass."""
+        _initialize_optimizer_state(self.optimizer)
+        return self.local_view(self.live_state()).chunks
 
     def apply(self, fill: Fill, saved: Mapping[str, Any]) -> None:
         """Restore model and optimizer in place: ``fill`` writes each tensor leaf's local

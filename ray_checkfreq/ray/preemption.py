@@ -138,11 +138,14 @@ class Preemption:
 
     ``generation``: the run's writer generation (known once the restart has run).
     ``on_notices``: called with the number of notices seen (rank 0's metrics).
+    ``every_rank_flushes``: every rank persists its own part (a sharded state).
     """
 
     def __init__(self, *, rank: int, store: Any, watcher: DrainWatcher | None, detection_lag_s: float,
-                 generation: Callable[[], int], on_notices: Callable[[int], None] | None = None) -> None:
+                 generation: Callable[[], int], on_notices: Callable[[int], None] | None = None,
+                 every_rank_flushes: bool = False) -> None:
         self.rank = rank
+        self.every_rank_flushes = every_rank_flushes
         self.store = store
         self.watcher = watcher
         self.detection_lag_s = detection_lag_s
@@ -190,7 +193,11 @@ class Preemption:
 
     def stop_and_wait(self, engine: Any) -> None:
         """Make the stop checkpoint durable (rank 0), then block until the group is torn down:
-        returning would end the run as finished, raising would count as a failure."""
+        returning would end the run as finished, raising would count as a failure.
+        ``every_rank_flushes`` (a sharded state): every rank writes its part of the stop
+        checkpoint first; rank 0's flush waits for the global commit."""
+        if self.every_rank_flushes and self.rank != 0:
+            engine.flush()
         if self.rank == 0:
             engine.flush()
             record = self.notices[-1] if self.notices else {}

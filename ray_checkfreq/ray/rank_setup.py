@@ -21,6 +21,7 @@ from ray_checkfreq.ray.metrics import CheckFreqMetrics
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.transfer import all_gather_json
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -100,7 +101,8 @@ def new_metrics(*, run: str, rank: int, node_id: str, every_s: float | None) -> 
     return CheckFreqMetrics(run=run, rank=rank, node_id=node_id, every_s=every_s)
 
 
-def new_registrar(*, config: RegistrationConfig | None, rank: int, group: Any, store: CheckpointStore,
+def new_registrar(*, config: RegistrationConfig | None, rank: int, group: Any,
+                  store: CheckpointStore | ShardedStore,
                   context: Any, run_filesystem: bool, overhead: float, stats: Callable[[], Mapping[str, Any]],
                   metrics: CheckFreqMetrics | None) -> Registrar | None:
     """Pointer checkpoints for Ray Train (None: never); protects the pointed steps from retention."""

@@ -29,10 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ray_checkfreq.engine.sharded_restore import load_gathered
 from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.ray.transfer import broadcast_json
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.names import MAX_STEP
+from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -195,7 +197,8 @@ class PointedSteps:
 
 def load(checkpoint: Any, *, store: CheckpointStore | None = None) -> dict:
     """The state a pointer checkpoint names (``Result.checkpoint`` of a run), as
-    ``CheckpointStore.load(step)`` returns it: keys "model", "optimizer", ...
+    ``CheckpointStore.load(step)`` returns it: keys "model", "optimizer", ... A sharded
+    (FSDP2) run's step comes gathered: every tensor whole, in this process's memory.
 
     ``store``: where the state lives, for a store the pointer cannot reopen by itself
     (one built with its own filesystem or S3 options).
@@ -204,6 +207,9 @@ def load(checkpoint: Any, *, store: CheckpointStore | None = None) -> dict:
     pointer = read_pointer(filesystem, path)
     if store is None:
         store = CheckpointStore(pointer.store_uri, filesystem=filesystem if pointer.run_filesystem else None)
+    sharded = store.sharded_twin()  # a sharded (FSDP2) run's step is gathered whole here
+    if any(ref.step == pointer.step for ref in sharded.list()):
+        return load_gathered(sharded, pointer.step)
     return store.load(pointer.step)
 
 
@@ -212,8 +218,8 @@ class Registrar:
     """One rank's side of registration; every rank calls ``after_step`` every iteration
     and ``close`` once (both are collectives at the iterations they act)."""
 
-    def __init__(self, *, rank: int, group: Any, store: CheckpointStore, storage: Any, run_filesystem: bool,
-                 overhead: float, config: RegistrationConfig, metrics: Callable[[], dict],
+    def __init__(self, *, rank: int, group: Any, store: CheckpointStore | ShardedStore, storage: Any,
+                 run_filesystem: bool, overhead: float, config: RegistrationConfig, metrics: Callable[[], dict],
                  on_registered: Callable[[int], None] | None = None) -> None:
         self.rank = rank
         self.group = group

@@ -25,6 +25,7 @@ from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_
 from ray_checkfreq.ray.slots import SLOT_COMPLETE
 from ray_checkfreq.ray.transfer import broadcast_json, broadcast_state, unpack_state
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -110,6 +111,8 @@ class RestartProtocol:
     wait_s: float  # how long to wait for in-flight persists (RayConfig.restart_wait_s)
     warn_every_s: float
     restored_persist: Any = None  # rank 0: the agent's persist of a restored slot (not awaited)
+    # A sharded (DTensor) state: every rank wrote its part of each step here; no RAM slots.
+    parts: ShardedStore | None = None
 
     def decide(self) -> Decided:
         """Rank 0 chooses, every rank gets its choice (a collective: a broadcast)."""
@@ -129,9 +132,12 @@ class RestartProtocol:
             iteration = 0
             info: dict = {"kind": "none", "step": 0, "seconds": 0.0}
         else:
-            state, fell_back = self._load(choice)
-            iteration = engine.apply_state(state)
-            del state
+            if self.parts is not None:  # every rank reads its own boxes (a collective: the state's load)
+                iteration, fell_back = engine.load_sharded(choice.step), False
+            else:
+                state, fell_back = self._load(choice)
+                iteration = engine.apply_state(state)
+                del state
             info = {"kind": "storage" if fell_back else choice.kind,  # what was read, not only what was chosen
                     "step": iteration, "node_id": choice.node_id, "committed_step": choice.committed_step,
                     "seconds": time.perf_counter() - started}
@@ -143,6 +149,8 @@ class RestartProtocol:
         return Restored(iteration=iteration, info=info, committed_step=committed)
 
     def _choose(self) -> tuple[RestoreChoice, int]:
+        if self.parts is not None:
+            return self._choose_sharded(self.parts)
         live = agents.live_agents(self.run)
         wait_for_persists(live, wait_s=self.wait_s, warn_every_s=self.warn_every_s)
         generation = self.store.acquire_writer()  # only now: a persist still running is fenced
@@ -151,6 +159,21 @@ class RestartProtocol:
         choice = choose_source(committed_step=newest.step if newest else None, slot_headers=headers, run=self.run,
                                reachable_nodes=set(self.nodes), prefer_node=self.node_id)
         return choice, generation
+
+    def _choose_sharded(self, parts: ShardedStore) -> tuple[RestoreChoice, int]:
+        """The newest step complete across all its parts. The generation comes first: an old
+        rank still writing is fenced from then on; then a step whose parts were all written
+        but whose committer died is committed (salvage)."""
+        generation = self.store.acquire_writer()
+        parts.adopt_generation(generation)
+        salvaged = parts.salvage()
+        if salvaged is not None:
+            logger.warning("restart: committed step %d, whose parts were all durable but not committed",
+                           salvaged.step)
+        newest = parts.latest()
+        if newest is None:
+            return RestoreChoice(kind="none"), generation
+        return RestoreChoice(kind="storage", step=newest.step, committed_step=newest.step), generation
 
     def _load(self, choice: RestoreChoice) -> tuple[Any, bool]:
         """The chosen state on every rank, read by one rank and broadcast; True: it fell back to storage."""

@@ -12,6 +12,12 @@ checkpoint and every rank applies the same decision one iteration later. The fir
 on each node copies its replica of the state into its node's agent (one copy); rank 0's
 agent persists it. ``restore()`` runs the restart protocol of ``restart.py``.
 
+A sharded state (FSDP2 / HSDP / TP: DTensor parameters) needs no other code: every rank
+snapshots its own shards and persists them as its part of the step, a step is visible once
+every part is durable (one global commit, ``storage/sharded_store.py``), and a restart
+reads each rank's boxes of the newest complete step at any world size. Sharded runs keep
+no RAM copies in node agents yet: they restore from storage.
+
 One module per role: set-up in ``rank_setup.py``, the per-step path in ``CheckFreq.step``,
 the restart protocol in ``restart.py``, preemption in ``preemption.py``, following the
 run's shared policy in ``policy_follower.py``, RNG states in ``rng.py``.
@@ -29,7 +35,8 @@ import torch
 
 from ray_checkfreq.engine import CheckFreq as Engine
 from ray_checkfreq.engine.persist import PersistWorker
-from ray_checkfreq.engine.seams import EngineSeams
+from ray_checkfreq.engine.seams import EngineSeams, local_rng_state
+from ray_checkfreq.engine.state import state_adapter
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.ray.memory import SlotMemory, SlotPersister
@@ -141,16 +148,20 @@ class CheckFreq:
         self.seed = seed
         self.run = run_key(context.get_experiment_name())
         self.store = store_for(storage, context)
+        # A sharded state's steps go to a ShardedStore beside the store's metadata (same generations).
+        self.sharded = state_adapter(unwrap_model(model), optimizer).sharded
+        self.parts = self.store.sharded_twin() if self.sharded else None
         decision_group = new_gloo_group(self.world_size)  # the per-iteration broadcast only
         self._control_group = new_gloo_group(self.world_size)  # every other collective
         place = place_rank(rank=self.rank, world_size=self.world_size, group=self._control_group,
                            replicas=config.replicas)
-        self.node_id, self.nodes, self.snapshots = place.node_id, place.nodes, place.snapshots
+        self.node_id, self.nodes = place.node_id, place.nodes
+        self.snapshots = self.sharded or place.snapshots  # sharded: every rank holds shards of its own
         self.generation: int | None = None
         self.restore_info: dict | None = None
         self.agent = (start_agent(run=self.run, node_id=self.node_id, model=model, optimizer=optimizer,
                                   shm_dir=config.shm_dir, slot_count=config.slots, lease_s=config.agent_lease_s)
-                      if self.snapshots and config.use_agents else None)
+                      if self.snapshots and config.use_agents and not self.sharded else None)
         self._renewed = time.monotonic()
         self._memory = SlotMemory(self.agent, generation=self._current_generation) if self.agent else None
         self._decisions = BroadcastDecisions(decision_group, self.rank)
@@ -158,31 +169,39 @@ class CheckFreq:
         watcher = (DrainWatcher(set(self.nodes), poll_s=config.drain_poll_s)
                    if self.rank == 0 and config.watch_preemption else None)
         self._preemption = Preemption(rank=self.rank, store=self.store, watcher=watcher,
-                                      detection_lag_s=config.drain_poll_s, generation=self._current_generation,
+                                      every_rank_flushes=self.sharded, detection_lag_s=config.drain_poll_s,
+                                      generation=self._current_generation,
                                       on_notices=self.metrics.record_notices if self.metrics is not None else None)
         self._restart = RestartProtocol(rank=self.rank, world_size=self.world_size, run=self.run, node_id=self.node_id,
                                         nodes=self.nodes, store=self.store, group=self._control_group,
-                                        wait_s=config.restart_wait_s, warn_every_s=config.restart_warn_every_s)
+                                        wait_s=config.restart_wait_s, warn_every_s=config.restart_warn_every_s,
+                                        parts=self.parts)
         self._registrar = new_registrar(config=config.registration, rank=self.rank, group=self._control_group,
-                                        store=self.store, context=context, run_filesystem=storage is None,
+                                        store=self.parts if self.parts is not None else self.store,
+                                        context=context, run_filesystem=storage is None,
                                         overhead=_overhead_of(engine_options), stats=lambda: self.engine.stats(),
                                         metrics=self.metrics)
         self._policy = (PolicyLink(self.run, rank=self.rank, lease_s=config.agent_lease_s)
                         if config.shared_policy and adapts(engine_options) else None)
         self._follower = PolicyFollower(self._policy) if self._policy is not None and self.rank == 0 else None
-        self.engine = Engine(model=unwrap_model(model), optimizer=optimizer, storage=self.store, data=data,
+        self.engine = Engine(model=unwrap_model(model), optimizer=optimizer,
+                             storage=self.parts if self.parts is not None else self.store, data=data,
                              extra_state=extra_state, seams=self._engine_seams(), **engine_options)
 
     def _engine_seams(self) -> EngineSeams:
         """What the engine of this rank takes from the Ray layer."""
         return EngineSeams(
             decisions=self._decisions,
-            persister=self._persister,
+            # Sharded: the engine's own persister writes this rank's part (rank 0's reports the commit).
+            persister=None if self.sharded else self._persister,
+            on_persisted=self._persisted if self.sharded else None,
             host_memory=self._memory,
-            rng_state=lambda: gather_rng(world_size=self.world_size, group=self._control_group),
+            # Sharded: each rank's RNG goes into its own part (no collective); else all ranks' into one state.
+            rng_state=local_rng_state if self.sharded else lambda: gather_rng(world_size=self.world_size,
+                                                                                group=self._control_group),
             set_rng_state=lambda saved: set_own_rng(saved, rank=self.rank, seed=self.seed),
             # Without agents (no room in /dev/shm) there is no replica to keep: rank 0 alone snapshots.
-            takes_snapshots=self.snapshots and (self.agent is not None or self.rank == 0),
+            takes_snapshots=self.sharded or (self.snapshots and (self.agent is not None or self.rank == 0)),
             observe=self._policy.observe if self._policy is not None else None,
             local_adaptive=self._policy is None,
         )
@@ -217,6 +236,8 @@ class CheckFreq:
         """The restart protocol (``restart.py``); returns the iteration to resume at (0 on a fresh run)."""
         decided = self._restart.decide()  # collective: rank 0's choice, broadcast
         self.generation = decided.generation
+        if self.parts is not None:  # every rank writes its parts as the run's generation
+            self.parts.adopt_generation(decided.generation)
         if self._policy is not None:
             self._policy.generation = self.generation
         if self.rank == 0:
@@ -230,7 +251,7 @@ class CheckFreq:
         return restored.iteration
 
     # ------------------------------------------------------- the node agent
-    def _persister(self, store: CheckpointStore, on_done: Any) -> Any:
+    def _persister(self, store: Any, on_done: Any) -> Any:
         on_done = _also(self._persisted, on_done)
         if self.agent is None:  # rank 0 without agents: persist in this process
             return PersistWorker(store, on_done=on_done)
@@ -243,6 +264,11 @@ class CheckFreq:
 
     def _persisted(self, result: Any) -> None:
         """Rank 0: a persist committed (from the persist thread)."""
+        if self.parts is not None and self.rank != 0:
+            return  # another rank's part is durable: only rank 0's reports a commit
+        if self.parts is not None and self._policy is not None:  # no agent reports it
+            self._policy.persisted({"step": result.step, "seconds": result.seconds,
+                                    "stored_bytes": result.stored_bytes, "node_id": self.node_id})
         if self._registrar is not None:
             self._registrar.committed(result.step)
         if self.metrics is not None:
@@ -322,7 +348,8 @@ class CheckFreq:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
-                "snapshots": self.snapshots, "restore": self.restore_info, "notices": list(self.notices),
+                "snapshots": self.snapshots, "sharded": self.sharded, "restore": self.restore_info,
+                "notices": list(self.notices),
                 "policy_decisions": list(self.policy_decisions),
                 "metrics": self.metrics.values() if self.metrics is not None else None,
                 "registration": self._registrar.stats() if self._registrar is not None else None}

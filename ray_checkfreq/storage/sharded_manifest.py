@@ -18,6 +18,7 @@ exactly once and each tensor's chunks cover the tensor exactly once (``check_til
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -146,7 +147,12 @@ class ShardedManifest:
         return sum(p.size_bytes + sum(f.size_bytes for f in p.files) for p in self.parts)
 
     def tensor(self, key: str) -> TensorIndex | None:
-        return next((t for t in self.tensors if t.key == key), None)
+        return self._by_key.get(key)
+
+    @functools.cached_property
+    def _by_key(self) -> dict[str, TensorIndex]:
+        """Keys are unique (checked when a manifest is built or decoded): one dict, not a scan per lookup."""
+        return {t.key: t for t in self.tensors}
 
 
 # ------------------------------------------------------------------ encoding

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, FencedWriterError, StorageError
-from ray_checkfreq.storage import fencing
+from ray_checkfreq.storage import fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -212,6 +212,28 @@ class ShardedStore:
             self._generation = fencing.acquire_generation(self.backend, in_use)
         return self._generation
 
+    def adopt_generation(self, generation: int) -> None:
+        """Write as ``generation``, taken by another writer of this run (rank 0 hands it
+        over). Idempotent for the same generation; ValueError for a different one than
+        this store already writes as."""
+        if isinstance(generation, bool) or not isinstance(generation, int) \
+                or not 1 <= generation <= MAX_GENERATION:
+            raise ValueError(f"generation={generation!r}: must be an int from 1 to {MAX_GENERATION}")
+        with self._lock:
+            if self._generation is not None and self._generation != generation:
+                raise ValueError(f"{self.uri}: this store writes as generation {self._generation}, "
+                                 f"cannot adopt generation {generation}")
+            self._generation = generation
+
+    # ------------------------------------------------------------ metadata documents
+    def write_metadata(self, name: str, data: dict) -> None:
+        """Store a small JSON document (a cached profile, say) beside the checkpoints."""
+        metadata_docs.write_metadata(self.backend, name, data)
+
+    def read_metadata(self, name: str) -> dict | None:
+        """A document written by ``write_metadata``; None if absent or unreadable."""
+        return metadata_docs.read_metadata(self.backend, name)
+
     def dir_name(self, step: int, generation: int | None = None) -> str:
         """The directory every writer of ``generation`` uses for ``step``."""
         generation = self._require_generation() if generation is None else generation
@@ -231,11 +253,15 @@ class ShardedStore:
 
     # ------------------------------------------------------------ writing a part
     def save_part(self, step: int, *, world_size: int, skeletons: Mapping[int, Any],
-                  chunks: Sequence[ChunkSource], epoch_boundary: bool = False) -> PartManifest:
+                  chunks: Sequence[ChunkSource], epoch_boundary: bool = False,
+                  codec: str | None = None) -> PartManifest:
         """Write this writer's part of ``step``: the chunks of ranks ``skeletons`` names
-        (each rank's non-tensor state as JSON), durable on return. Raises
-        ``FencedWriterError`` (and leaves nothing) when a newer generation exists."""
+        (each rank's non-tensor state as JSON), durable on return, encoded with ``codec``
+        (None: the config's). Raises ``FencedWriterError`` (and leaves nothing) when a
+        newer generation exists."""
         _check_step(step)
+        options = EncodeOptions(codec=self.config.codec if codec is None else codec,
+                                level=self.config.codec_level, threads=self.config.codec_threads)
         ranks = _checked_ranks(skeletons, world_size)
         checked = {rank: _checked_json(skeletons[rank], f"skeleton of rank {rank}") for rank in ranks}
         for chunk in chunks:
@@ -248,7 +274,7 @@ class ShardedStore:
             token = uuid.uuid4().hex[:8]
             written: list[str] = []
             try:
-                files, records = self._write_data(name, ranks[0], token, chunks, written)
+                files, records = self._write_data(name, ranks[0], token, chunks, options, written)
                 part = PartManifest(step=step, writer_generation=generation, world_size=world_size, ranks=ranks,
                                     epoch_boundary=bool(epoch_boundary), created_unix_ns=time.time_ns(),
                                     files=files, chunks=records, skeletons=checked)
@@ -272,9 +298,7 @@ class ShardedStore:
                 raise
 
     def _write_data(self, name: str, first_rank: int, token: str, chunks: Sequence[ChunkSource],
-                    written: list[str]) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
-        options = EncodeOptions(codec=self.config.codec, level=self.config.codec_level,
-                                threads=self.config.codec_threads)
+                    options: EncodeOptions, written: list[str]) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
         groups = _pack(chunks, self.config.part_file_bytes)
         threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
         with ThreadPoolExecutor(threads, thread_name_prefix="rcf-part") as pool:

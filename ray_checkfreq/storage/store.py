@@ -57,7 +57,7 @@ from ray_checkfreq.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from ray_checkfreq.storage import fencing
+from ray_checkfreq.storage import fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -77,6 +77,7 @@ from ray_checkfreq.storage.manifest import (
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
+from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
@@ -223,6 +224,17 @@ class CheckpointStore:
         uri, filesystem, s3 = self._init_args
         return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation,
                                protected_steps=self.protected_steps)
+
+    def sharded_twin(self) -> ShardedStore:
+        """A ``ShardedStore`` on this store's URI, filesystem and S3 options, with its codec
+        and retention: where a sharded (DTensor) state's checkpoints go, beside this store's
+        metadata documents and under the same writer generations."""
+        uri, filesystem, s3 = self._init_args
+        config = self.config
+        return ShardedStore(uri, filesystem=filesystem, s3=s3, direct_io=config.direct_io,
+                            protected_steps=self.protected_steps, codec=config.codec, codec_level=config.codec_level,
+                            codec_threads=config.codec_threads, io_threads=config.io_threads,
+                            keep_last=config.keep_last, keep_epoch_boundaries=config.keep_epoch_boundaries)
 
     # ------------------------------------------------------------------ writing
     def save(
@@ -743,36 +755,15 @@ class CheckpointStore:
 
     def write_metadata(self, name: str, data: dict) -> None:
         """Store a small JSON document (a cached profile, say) beside the checkpoints."""
-        _check_metadata_name(name)
-        import json
-
-        self.backend.write_atomic(name, json.dumps(data, indent=1, allow_nan=False).encode("utf-8"))
+        metadata_docs.write_metadata(self.backend, name, data)
 
     def read_metadata(self, name: str) -> dict | None:
         """A document written by ``write_metadata``; None if absent or unreadable (a
         warning names the file). The caller checks the document's schema."""
-        _check_metadata_name(name)
-        try:
-            data = parse_stored_json(self.backend.read_small(name), max_bytes=MAX_METADATA_BYTES)
-        except FileNotFoundError:
-            return None
-        except StoredJsonError as err:
-            logger.warning("ignoring unreadable %s: %s", self.backend.uri(name), err)
-            return None
-        if not isinstance(data, dict):
-            logger.warning("ignoring %s: not a JSON object", self.backend.uri(name))
-            return None
-        return data
+        return metadata_docs.read_metadata(self.backend, name)
 
     def close(self) -> None:
         self.backend.close()
-
-
-def _check_metadata_name(name: str) -> None:
-    import re
-
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,100}\.json", name) or ".." in name:
-        raise ValueError(f"metadata name {name!r}: expected a plain lower-case file name ending in .json")
 
 
 def _checked_generation(generation: Any) -> int | None:

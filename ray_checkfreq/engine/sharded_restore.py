@@ -1,0 +1,138 @@
+"""Loading one rank's share of a sharded checkpoint, at any world size.
+
+Every rank calls ``load_rank_state`` (a collective: the adapter's ``apply`` is). It reads
+the skeleton of its own rank in the saved world (rank 0's when the saved world was
+smaller: the per-rank leaves of a rank that did not exist are rank 0's), then fetches in
+ONE ranged-read pass (``ShardedStore.load_chunks``) the box of every model and optimizer
+tensor this rank holds now, plus its per-rank leaves (RNG, extra and data state), fills
+model and optimizer in place, and returns the rest of the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ray_checkfreq.engine.restore import RestoreMismatchError
+from ray_checkfreq.engine.sharded_persist import SKELETON_FORMAT
+from ray_checkfreq.engine.state import StateAdapter, TensorChunk
+from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.sharded_manifest import ShardedManifest
+from ray_checkfreq.storage.sharded_store import ShardedRef, ShardedStore
+from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs, unflatten_state
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a sharded restore hands back once model and optimizer are filled."""
+
+    state: dict[str, Any]  # the saved state (model/optimizer tensors as None): extra, data, rng, checkfreq
+    saved_world_size: int
+    source_rank: int  # whose per-rank leaves ``state`` holds
+
+
+def find_ref(store: ShardedStore, step: int) -> ShardedRef:
+    """The newest complete checkpoint of ``step``."""
+    matches = [ref for ref in store.list() if ref.step == step]
+    if not matches:
+        raise CheckpointNotFoundError(f"no complete sharded checkpoint of step {step} in {store.uri}")
+    return matches[-1]
+
+
+def load_rank_state(store: ShardedStore, ref: ShardedRef, adapter: StateAdapter, *, rank: int,
+                    optimizer_class: str) -> RankState:
+    """Fill model and optimizer from ``ref`` in place (every rank calls it) and return the
+    rest of this rank's saved state; RestoreMismatchError names the first key that does
+    not fit, CorruptCheckpointError a damaged skeleton."""
+    manifest = store.manifest(ref)
+    source = rank if rank < manifest.world_size else 0
+    tree, keys, per_rank = _skeleton(store.load_skeletons(ref, [source])[source], ref.uri)
+    targets = adapter.restore_targets()
+    boxes = {chunk.name: chunk.box for chunk in targets}
+    _check_targets(targets, manifest, set(keys) - per_rank)
+    wanted: dict[str, list[Box]] = {name: [Box(box.offsets, box.sizes)] for name, box in boxes.items()}
+    for key in per_rank:
+        whole = _tensor_of(manifest, key, ref.uri).global_shape
+        wanted[key] = [Box((0,) * len(whole), tuple(whole))]
+    loaded = store.load_chunks(ref, wanted)
+    state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
+    saved_class = state.get("checkfreq", {}).get("optimizer_class")
+    if saved_class != optimizer_class:
+        raise RestoreMismatchError("optimizer", f"saved by {saved_class}, loading into {optimizer_class}")
+
+    def fill(chunk: TensorChunk) -> None:
+        if boxes.get(chunk.name) != chunk.box:
+            raise RuntimeError(f"{chunk.name}: the restore asked for box {chunk.box}, not the one read "
+                               f"({boxes.get(chunk.name)})")
+        data = loaded[chunk.name][0]
+        tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
+        if tensor.dtype != chunk.dtype:
+            raise RestoreMismatchError(chunk.name, f"dtype {tensor.dtype} in the checkpoint, {chunk.dtype} now")
+        chunk.local.copy_(tensor)
+
+    adapter.apply(fill, {"model": state["model"], "optimizer": state["optimizer"]})
+    return RankState(state=state, saved_world_size=manifest.world_size, source_rank=source)
+
+
+def _skeleton(document: Any, where: str) -> tuple[Any, list[str], set[str]]:
+    """(tree, key of each leaf, the per-rank keys) of a rank's skeleton document."""
+    if not isinstance(document, Mapping) or document.get("format") != SKELETON_FORMAT \
+            or not isinstance(document.get("leaves"), list):
+        raise CorruptCheckpointError(where, f"not a skeleton of format {SKELETON_FORMAT} (the engine's sharded mode)")
+    leaves = document["leaves"]
+    if not all(isinstance(e, Mapping) and isinstance(e.get("key"), str) and isinstance(e.get("rank"), bool)
+               for e in leaves):
+        raise CorruptCheckpointError(where, "skeleton leaves: expected {'key': str, 'rank': bool} entries")
+    try:
+        refs = skeleton_leaf_refs(document.get("tree"))
+    except SkeletonError as err:
+        raise CorruptCheckpointError(where, f"skeleton: {err}") from None
+    if sorted(index for _, index in refs) != list(range(len(leaves))):
+        raise CorruptCheckpointError(where, f"skeleton: {len(refs)} leaf references for {len(leaves)} leaves")
+    return document["tree"], [e["key"] for e in leaves], {e["key"] for e in leaves if e["rank"]}
+
+
+def _tensor_of(manifest: ShardedManifest, key: str, where: str) -> Any:
+    tensor = manifest.tensor(key)
+    if tensor is None:
+        raise CorruptCheckpointError(where, f"the skeleton names tensor {key!r}, which no part holds")
+    return tensor
+
+
+def _check_targets(targets: list[TensorChunk], manifest: ShardedManifest, saved_names: set[str]) -> None:
+    for chunk in targets:
+        tensor = manifest.tensor(chunk.name)
+        if tensor is None or chunk.name not in saved_names:
+            raise RestoreMismatchError(chunk.name, "missing from the checkpoint")
+        if tuple(tensor.global_shape) != chunk.global_shape:
+            raise RestoreMismatchError(chunk.name, f"global shape {tuple(tensor.global_shape)} in the checkpoint, "
+                                                   f"{chunk.global_shape} now")
+    extra = saved_names - {chunk.name for chunk in targets}
+    if extra:
+        raise RestoreMismatchError(sorted(extra)[0], "in the checkpoint but not in the model or optimizer")
+
+
+def load_gathered(store: ShardedStore, step: int | None = None) -> dict[str, Any]:
+    """The whole state of a sharded checkpoint in this process, as ``CheckpointStore.load``
+    gives a replica's: every model and optimizer tensor gathered whole (ranged reads of its
+    chunks), RNG, extra and data state as rank 0 saved them. It holds the whole state in
+    memory: for inspection and single-process use, not for a restore (``load_sharded``)."""
+    ref = store.latest() if step is None else find_ref(store, step)
+    if ref is None:
+        raise CheckpointNotFoundError(f"no complete sharded checkpoint in {store.uri}")
+    manifest = store.manifest(ref)
+    tree, keys, _ = _skeleton(store.load_skeletons(ref, [0])[0], ref.uri)
+    wanted: dict[str, list[Box]] = {}
+    for key in dict.fromkeys(keys):
+        shape = tuple(_tensor_of(manifest, key, ref.uri).global_shape)
+        wanted[key] = [Box((0,) * len(shape), shape)]
+    loaded = store.load_chunks(ref, wanted)
+    try:
+        return unflatten_state(tree, [loaded[key][0] for key in keys])
+    except SkeletonError as err:
+        raise CorruptCheckpointError(ref.uri, f"skeleton: {err}") from None

@@ -1,0 +1,71 @@
+"""The training function of tests/test_ray_sharded.py: an FSDP2 model (float64, uneven
+shards) under ``ray_checkfreq.ray.CheckFreq`` with nothing else changed, and the same
+training without checkpoints on spawned gloo ranks (the reference).
+
+Step ``s`` trains on global batch ``s`` (``sharded_state_jobs.train``), so a run resumed at
+any world size sees the same batches. Every rank logs to ``work_dir/log-<rank>.jsonl``
+(``ray_train_jobs.log``); after the last step the whole state is gathered and rank 0
+saves it to ``work_dir/final-<attempt pid>.npz``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import sharded_state_jobs as jobs
+import torch
+from ray_train_jobs import log, once
+
+ITERATIONS = 16
+
+
+def train(config: dict) -> None:
+    import ray.train
+
+    from ray_checkfreq.ray import CheckFreq, RayConfig
+
+    torch.set_num_threads(1)
+    work_dir = config["work_dir"]
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    model = jobs.sharded_net(seed=0)
+    optimizer = jobs.optimizer_of(model)
+    cf = CheckFreq(model=model, optimizer=optimizer, storage=config["storage"], every=config["every"],
+                   compress=False, ray_config=RayConfig(restart_wait_s=3.0))
+    start = cf.restore()
+    log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id, restore=cf.restore_info,
+        pid=os.getpid())
+    while cf.iteration < config["iterations"]:
+        jobs.train(model, optimizer, range(cf.iteration, cf.iteration + 1), rank, world)
+        cf.step()
+        log(work_dir, rank, event="batch", iteration=cf.iteration)
+        kill = config.get("kill")  # {"rank": r, "iteration": i}
+        if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
+            log(work_dir, rank, event="kill", iteration=cf.iteration)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cf.iteration == config.get("gather_at"):  # the whole state as this iteration's checkpoint holds it
+            arrays = jobs.full_state(model, optimizer)  # a collective
+            if rank == 0:
+                jobs.save_arrays(Path(work_dir) / f"at-{cf.iteration}.npz", arrays)
+        time.sleep(config.get("sleep_s", 0.0))
+    cf.close()
+    arrays = jobs.full_state(model, optimizer)  # a collective
+    if rank == 0:
+        jobs.save_arrays(Path(work_dir) / "final.npz", arrays)
+    stats = cf.stats()
+    log(work_dir, rank, event="end", iteration=cf.iteration,
+        stats={key: stats.get(key) for key in ("k", "sharded", "snapshots", "checkpoints_committed")})
+
+
+def reference(rank: int, world: int, root: Path) -> None:
+    """A job for ``sharded_state_jobs.spawn``: ``ITERATIONS`` steps without checkpoints."""
+    torch.set_num_threads(1)
+    model = jobs.sharded_net(seed=0)
+    optimizer = jobs.optimizer_of(model)
+    jobs.train(model, optimizer, range(ITERATIONS), rank, world)
+    arrays = jobs.full_state(model, optimizer)
+    if rank == 0:
+        jobs.save_arrays(root / "reference.npz", arrays)

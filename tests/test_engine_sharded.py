@@ -1,0 +1,443 @@
+"""The engine's sharded mode on spawned gloo ranks (FSDP2, float64, CPU): every rank
+snapshots and writes its own part, rank 0 waits for the one global commit, and every rank
+loads its boxes back at any world size.
+
+One module-scoped chain of runs shares a directory: a 2-rank reference run checkpoints
+every 3 iterations up to 12; the same run again is SIGKILLed (every rank) right after
+iteration 9 handed its checkpoint to the persist thread, so step 9 may or may not be
+committed; a 2-rank restart resumes from what that crash left and trains to 12 with rank 1
+never writing its part of step 12; a 3-rank restore reads the crash's store and a 1-rank
+``restore()`` the restart's (resharding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import sharded_state_jobs as jobs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
+from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
+from ray_checkfreq.engine.seams import local_rng_state
+from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker, rank_part
+from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.state import ChunkPlace
+from ray_checkfreq.errors import FencedWriterError
+from ray_checkfreq.ray.decisions import BroadcastDecisions
+from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
+
+EVERY = 3
+KILLED_AT = 9  # every rank of the crashed run is SIGKILLed right after this iteration's cf.step()
+TOTAL = 12
+SKIPPED = 12  # rank 1 of the restart never writes its part of this step
+RECORDED = (6, 9)  # the reference run keeps its full state and RNG states at these iterations
+COMMIT_WAIT_S = 2.0
+
+
+# ------------------------------------------------------------------ helpers (run in the ranks)
+def _training(seed: int, lr: float = 1e-2) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model = jobs.sharded_net(seed=seed)
+    opt = jobs.optimizer_of(model, lr=lr)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+
+
+def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, it: int, rank: int,
+               world: int) -> None:
+    """Global batch ``it`` split by rank, plus noise from this rank's own global RNG (so a
+    resumed run only matches when each rank's RNG state came back)."""
+    share = jobs.GLOBAL_BATCH // world
+    gen = torch.Generator().manual_seed(1000 + it)
+    x = torch.randn(jobs.GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(jobs.GLOBAL_BATCH, 5, generator=gen, dtype=torch.float64)
+    mine = slice(rank * share, (rank + 1) * share)
+    noise = 1e-3 * torch.randn(share, 8, dtype=torch.float64)
+    loss = torch.nn.functional.mse_loss(model(x[mine] + noise), y[mine])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+
+
+def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: ShardedStore, rank: int,
+            persister: Any = None) -> tuple[CheckFreq, BroadcastDecisions]:
+    decisions = BroadcastDecisions(dist.new_group(backend="gloo"), rank)
+    config = CheckFreqConfig(every=EVERY, compress=False, commit_wait_s=COMMIT_WAIT_S)
+    cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, config=config,
+                   seams=EngineSeams(decisions=decisions, persister=persister))
+    return cf, decisions
+
+
+def _shared_writer(store: ShardedStore, rank: int, *, choose_latest: bool) -> int | None:
+    """Rank 0 takes the generation (and, restoring, picks the newest committed step) and
+    hands both to every rank, as the Ray layer does."""
+    chosen: list[Any] = [None, None]
+    if rank == 0:
+        generation = store.acquire_writer()
+        step = None
+        if choose_latest:
+            store.salvage()
+            latest = store.latest()
+            step = None if latest is None else latest.step
+        chosen = [generation, step]
+    dist.broadcast_object_list(chosen, src=0)
+    store.adopt_generation(chosen[0])
+    return chosen[1]
+
+
+def _gather_rng(path: Path, rank: int, world: int) -> None:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, torch.get_rng_state().tolist())
+    if rank == 0:
+        path.write_text(json.dumps(gathered))
+
+
+def _gather_json(path: Path, rank: int, world: int, item: Any) -> None:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, item)
+    if rank == 0:
+        path.write_text(json.dumps(gathered))
+
+
+def _save_full(path: Path, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    state = jobs.full_state(model, opt)  # a collective
+    if rank == 0:
+        jobs.save_arrays(path, {**state, "sched/last_epoch": np.array(sched.last_epoch)})
+
+
+class _SkipStep:
+    """A persister that drops one step's snapshot: that rank never writes its part."""
+
+    def __init__(self, inner: ShardedPersistWorker, step: int) -> None:
+        self.inner, self.step = inner, step
+
+    @property
+    def busy(self) -> bool:
+        return self.inner.busy
+
+    def submit(self, snapshot: Snapshot, **options: Any) -> None:
+        if snapshot.step != self.step:
+            self.inner.submit(snapshot, **options)
+
+    def wait_idle(self) -> float:
+        return self.inner.wait_idle()
+
+    def raise_if_failed(self) -> None:
+        self.inner.raise_if_failed()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# ------------------------------------------------------------------ jobs
+def _run(rank: int, world: int, root: Path, store_dir: str, *, kill_at: int | None) -> None:
+    """TOTAL iterations from scratch; SIGKILLed after ``kill_at`` when given."""
+    model, opt, sched = _training(seed=0)
+    torch.manual_seed(100 + rank)  # after the model, which seeds every rank alike
+    store = ShardedStore(str(root / store_dir))
+    _shared_writer(store, rank, choose_latest=False)
+    persisted: list[dict] = []
+
+    def persister(store: ShardedStore, on_done: Any) -> ShardedPersistWorker:
+        def done(result: Any) -> None:
+            persisted.append({"step": result.step, "seconds": result.seconds, "stored_bytes": result.stored_bytes})
+            on_done(result)
+        return ShardedPersistWorker(store, rank=rank, world_size=world, commit_wait_s=COMMIT_WAIT_S, on_done=done)
+
+    cf, decisions = _engine(model, opt, sched, store, rank, persister=persister)
+    for it in range(TOTAL):
+        _iteration(model, opt, sched, it, rank, world)
+        cf.step()
+        if cf.iteration == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # its checkpoint is in the persist thread now
+        if kill_at is None and cf.iteration in RECORDED:
+            _gather_rng(root / f"rng-{cf.iteration}.json", rank, world)
+            _save_full(root / f"state-{cf.iteration}.npz", rank, model, opt, sched)
+    _save_full(root / "state-final.npz", rank, model, opt, sched)
+    cf.close()
+    decisions.close()
+    _gather_json(root / "train-stats.json", rank, world, {"committed": cf.stats()["checkpoints_committed"],
+                                                         "persisted": persisted})
+    if rank == 0:
+        (root / "train-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
+
+
+def reference_job(rank: int, world: int, root: Path) -> None:
+    _run(rank, world, root, "run", kill_at=None)
+
+
+def crash_job(rank: int, world: int, root: Path) -> None:
+    _run(rank, world, root, "crashed", kill_at=KILLED_AT)
+
+
+def resume_job(rank: int, world: int, root: Path) -> None:
+    """A restart after the crash: other weights, RNG and learning rate, all replaced."""
+    model, opt, sched = _training(seed=123, lr=0.5)
+    torch.manual_seed(555 + rank)
+    store = ShardedStore(str(root / "resume"))
+    step = _shared_writer(store, rank, choose_latest=True)
+    assert step is not None
+
+    def persister(store: ShardedStore, on_done: Any) -> Any:
+        inner = ShardedPersistWorker(store, rank=rank, world_size=world, commit_wait_s=COMMIT_WAIT_S,
+                                     on_done=on_done)
+        return _SkipStep(inner, SKIPPED) if rank == 1 else inner
+
+    cf, decisions = _engine(model, opt, sched, store, rank, persister=persister)
+    start = cf.load_sharded(step)
+    for it in range(start, TOTAL):
+        _iteration(model, opt, sched, it, rank, world)
+        cf.step()
+    _save_full(root / "state-resumed.npz", rank, model, opt, sched)
+    try:
+        cf.close()  # rank 0: waits for step SKIPPED, which never commits
+        error = None
+    except PersistError as err:
+        error = str(err)
+    decisions.close()
+    _gather_json(root / "resume.json", rank, world, {"step": step, "start": start, "end": cf.iteration,
+                                                     "error": error})
+    dist.barrier()
+    if rank == 0:
+        (root / "resume-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
+
+
+def reshard_job(rank: int, world: int, root: Path) -> None:
+    """A restore at another world size: 3 ranks from what the crash left, 1 rank
+    (``restore()``, with salvage) from the restart's store, whose step SKIPPED lacks a
+    part; and the mismatches a sharded engine refuses."""
+    model, opt, sched = _training(seed=321, lr=0.5)
+    torch.manual_seed(777 + rank)
+    refused = []
+    if world > 1:
+        try:
+            CheckFreq(model=model, optimizer=opt, storage=str(root / "unused"), every=EVERY)
+        except ValueError as err:
+            refused.append(str(err))
+    for storage, takes_snapshots in ((CheckpointStore(str(root / "plain")), True), (str(root / "unused"), False)):
+        try:
+            CheckFreq(model=model, optimizer=opt, storage=storage, every=EVERY,
+                      seams=EngineSeams(decisions=BroadcastDecisions(None, rank), takes_snapshots=takes_snapshots))
+        except ValueError as err:
+            refused.append(str(err))
+    store = ShardedStore(str(root / "restore-copy"))
+    if world == 1:
+        cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, every=EVERY)
+        start = cf.restore()
+    else:
+        step = _shared_writer(store, rank, choose_latest=True)
+        cf, decisions = _engine(model, opt, sched, store, rank)
+        assert step is not None
+        start = cf.load_sharded(step)
+        decisions.close()
+    _gather_rng(root / f"rng-w{world}.json", rank, world)
+    _save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
+    _gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused})
+    cf.close()
+
+
+# ------------------------------------------------------------------ the runs
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("engine-sharded")
+    jobs.spawn(reference_job, 2, str(root))
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        jobs.spawn(crash_job, 2, str(root))
+    committed = [ref.step for ref in ShardedStore(str(root / "crashed")).list()]
+    (root / "crash-committed.json").write_text(json.dumps(committed))
+    shutil.copytree(root / "crashed", root / "resume")
+    shutil.copytree(root / "crashed", root / "restore-copy")
+    jobs.spawn(resume_job, 2, str(root))
+    jobs.spawn(reshard_job, 3, str(root))
+    shutil.rmtree(root / "restore-copy")
+    shutil.copytree(root / "resume", root / "restore-copy")  # its step SKIPPED lacks rank 1's part
+    jobs.spawn(reshard_job, 1, str(root))
+    return root
+
+
+def _assert_same(found: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert sorted(found) == sorted(expected)
+    different = [name for name in expected if not np.array_equal(found[name], expected[name])]
+    assert different == []
+
+
+def _resumed_from(runs: Path) -> int:
+    return int(json.loads((runs / "resume.json").read_text())[0]["start"])
+
+
+def test_the_run_committed_every_kth_iteration_on_every_rank(runs: Path) -> None:
+    assert json.loads((runs / "train-steps.json").read_text())[-2:] == [9, 12]  # keep_last=2
+    stats = json.loads((runs / "train-stats.json").read_text())
+    assert [entry["committed"] for entry in stats] == [4, 4]
+    assert [[p["step"] for p in entry["persisted"]] for entry in stats] == [[3, 6, 9, 12]] * 2
+
+
+def test_restart_after_a_sigkill_resumes_at_the_newest_committed_step_and_continues_bit_identically(
+        runs: Path) -> None:
+    committed_at_crash = json.loads((runs / "crash-committed.json").read_text())
+    assert committed_at_crash and committed_at_crash[-1] in (6, 9)  # 9 only if its commit beat the kill
+    report = json.loads((runs / "resume.json").read_text())
+    start = report[0]["start"]
+    assert start in (6, 9) and start >= committed_at_crash[-1]  # 9 also when salvage committed it
+    assert [(r["step"], r["start"], r["end"]) for r in report] == [(start, start, TOTAL)] * 2
+    _assert_same(jobs.load_arrays(runs / "state-resumed.npz"), jobs.load_arrays(runs / "state-final.npz"))
+
+
+def test_a_step_missing_one_rank_part_is_not_committed_and_the_previous_one_stays(runs: Path) -> None:
+    report = json.loads((runs / "resume.json").read_text())
+    assert report[1]["error"] is None
+    assert report[0]["error"] is not None
+    assert f"iteration {SKIPPED}" in report[0]["error"] and "ranks [1] of 2 wrote no part" in report[0]["error"]
+    assert json.loads((runs / "resume-steps.json").read_text())[-1] == 9
+
+
+def test_restore_at_three_ranks_equals_the_saved_state(runs: Path) -> None:
+    step = _resumed_from(runs)
+    report = json.loads((runs / "reshard-w3.json").read_text())
+    assert [r["start"] for r in report] == [step] * 3
+    _assert_same(jobs.load_arrays(runs / "state-w3.npz"), jobs.load_arrays(runs / f"state-{step}.npz"))
+
+
+def test_restore_at_one_rank_loads_the_newest_complete_step(runs: Path) -> None:
+    assert json.loads((runs / "reshard-w1.json").read_text())[0]["start"] == 9  # not SKIPPED: a part lacks
+    _assert_same(jobs.load_arrays(runs / "state-w1.npz"), jobs.load_arrays(runs / "state-9.npz"))
+
+
+def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None:
+    saved = json.loads((runs / f"rng-{_resumed_from(runs)}.json").read_text())
+    loaded = json.loads((runs / "rng-w3.json").read_text())
+    assert saved[0] != saved[1]
+    assert loaded[:2] == saved
+    before = torch.get_rng_state()
+    try:
+        seed_new_rank(0, 2, 2)
+        expected = torch.get_rng_state().tolist()
+    finally:
+        torch.set_rng_state(before)
+    assert loaded[2] == expected
+    assert json.loads((runs / "rng-w1.json").read_text()) == json.loads((runs / "rng-9.json").read_text())[:1]
+
+
+def test_sharded_model_refuses_a_checkpoint_store_local_decisions_and_no_snapshots(runs: Path) -> None:
+    at_three = json.loads((runs / "reshard-w3.json").read_text())
+    for rank in at_three:
+        local, plain, no_snapshots = rank["refused"]
+        assert "LocalDecisions" in local and "3 ranks" in local
+        assert "CheckpointStore" in plain and "sharded" in plain
+        assert "takes_snapshots=False" in no_snapshots
+    at_one = json.loads((runs / "reshard-w1.json").read_text())[0]["refused"]
+    assert len(at_one) == 2 and "CheckpointStore" in at_one[0]  # alone, LocalDecisions is fine
+
+
+def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ShardedStore.*plain"):
+        CheckFreq(model=model, optimizer=opt, storage=ShardedStore(str(tmp_path)), every=2)
+
+
+# ------------------------------------------------------------------ the pieces, in process
+def test_adopt_generation_is_idempotent_and_refuses_another(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path))
+    store.adopt_generation(5)
+    store.adopt_generation(5)
+    assert store.writer_generation == 5
+    with pytest.raises(ValueError, match="generation 5, cannot adopt generation 6"):
+        store.adopt_generation(6)
+    with pytest.raises(ValueError, match="generation=0"):
+        ShardedStore(str(tmp_path)).adopt_generation(0)
+
+
+def test_save_part_takes_the_codec_of_the_action(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path), writer_generation=1)
+    data = torch.arange(4096, dtype=torch.float64) % 7
+    chunk = ChunkSource(key="model/w", data=data, global_shape=(4096,), offsets=(0,), rank=0)
+    for step, codec in ((1, "rcfz"), (2, None)):
+        store.save_part(step, world_size=1, skeletons={0: {}}, chunks=[chunk], codec=codec)
+        assert store.try_commit(step).committed
+        assert store.manifest(step).tensor("model/w").chunks[0].codec == (codec or "raw")
+        assert torch.equal(torch.as_tensor(store.load_chunks(step, {"model/w": [Box((0,), (4096,))]})["model/w"][0]),
+                           data)
+
+
+def test_sharded_store_shares_the_metadata_documents(tmp_path: Path) -> None:
+    ShardedStore(str(tmp_path)).write_metadata("checkfreq-profile.json", {"a": 1})
+    assert CheckpointStore(str(tmp_path)).read_metadata("checkfreq-profile.json") == {"a": 1}
+    with pytest.raises(ValueError, match="metadata name"):
+        ShardedStore(str(tmp_path)).read_metadata("../x.json")
+
+
+def test_set_own_rng_takes_a_list_or_a_mapping_of_ranks() -> None:
+    before = torch.get_rng_state()
+    try:
+        torch.manual_seed(1)
+        one = local_rng_state()
+        torch.manual_seed(2)
+        two = local_rng_state()
+        set_own_rng({"world_size": 2, "ranks": [one, two]}, rank=1, seed=0)
+        assert torch.equal(torch.get_rng_state(), two["torch"])
+        set_own_rng({"world_size": 2, "ranks": {0: one}}, rank=0, seed=0)
+        assert torch.equal(torch.get_rng_state(), one["torch"])
+        set_own_rng({"world_size": 2, "ranks": {}}, rank=3, seed=0)
+        seeded = torch.get_rng_state()
+        seed_new_rank(0, 3, 2)
+        assert torch.equal(seeded, torch.get_rng_state())
+    finally:
+        torch.set_rng_state(before)
+
+
+@pytest.mark.parametrize("wait", [0, -1.0, float("inf"), True, "5"])
+def test_commit_wait_is_validated(wait: Any) -> None:
+    with pytest.raises(ValueError, match="commit_wait_s"):
+        CheckFreqConfig(commit_wait_s=wait)
+
+
+def _snapshot(step: int) -> Snapshot:
+    state = {"model": {"w": torch.arange(6.0).reshape(3, 2), "scale": torch.ones(2)},
+             "rng": {"torch": torch.arange(4, dtype=torch.uint8)}, "checkfreq": {"iteration": step}}
+    places = {("model", "w"): ChunkPlace(name="model/w", global_shape=(6, 2), offsets=(3, 0), owner=True),
+              ("model", "scale"): ChunkPlace(name="model/scale", global_shape=(2,), offsets=(0,), owner=False)}
+    snapshotter = Snapshotter("cpu")
+    try:
+        snapshot = snapshotter.take(step, state, set())  # copied now: its copies are complete
+    finally:
+        snapshotter.close()
+    snapshot.places = places
+    return snapshot
+
+
+def test_rank_part_keeps_owned_chunks_by_name_and_own_leaves_by_rank() -> None:
+    snapshot = _snapshot(3)
+    assert snapshot.places is not None
+    part = rank_part(snapshot.state, snapshot.places, rank=1)
+    assert [(c.key, c.global_shape, c.offsets, c.rank) for c in part.chunks] == [
+        ("model/w", (6, 2), (3, 0), 1), ("rank/1/rng/torch", (4,), (0,), 1)]  # scale: rank 0 owns it
+    assert part.skeleton["leaves"] == [{"key": "model/w", "rank": False}, {"key": "model/scale", "rank": False},
+                                       {"key": "rank/1/rng/torch", "rank": True}]
+
+
+def test_a_fenced_rank_part_is_a_persist_failure(tmp_path: Path) -> None:
+    store = ShardedStore(str(tmp_path))
+    store.acquire_writer()
+    ShardedStore(str(tmp_path)).acquire_writer()  # a newer run took over
+    worker = ShardedPersistWorker(store, rank=1, world_size=2, commit_wait_s=1.0)
+    try:
+        worker.submit(_snapshot(3))
+        worker.wait_idle()
+        with pytest.raises(PersistError, match="iteration 3.*FencedWriterError") as failure:
+            worker.raise_if_failed()
+        assert isinstance(failure.value.__cause__, FencedWriterError)
+    finally:
+        worker.close()
+    assert store.list() == []
