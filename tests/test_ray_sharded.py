@@ -1,4 +1,4 @@
-"""FSDP2 on Ray Train (CPU gloo, 2 workers on the session cluster's two nodes): the same
+"""FSDP2 on Ray Train (CPU gloo, 2 workers on two one-CPU nodes): the same
 ``ray_checkfreq.ray.CheckFreq`` line as for DDP, every rank writing its own shards, one
 global commit per step, and restarts that read each rank's boxes of the newest complete
 step, at the same or another world size.
@@ -20,6 +20,17 @@ import pytest
 pytestmark = pytest.mark.chaos
 
 TRAIN_RESOURCE = "rcf_train"
+
+
+@pytest.fixture(scope="module")
+def train_nodes():
+    """A cluster of this module's own: a Train run started right after another module's runs
+    on the session cluster once waited for its workers indefinitely (its controller never
+    placed them, with the resources free)."""
+    from conftest import own_cluster
+
+    with own_cluster(2) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +83,7 @@ def assert_equal_state(final: dict, reference: dict, *, atol: float = 0.0) -> No
             np.testing.assert_allclose(final[name], value, rtol=0, atol=atol, err_msg=name)
 
 
-def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_step(ray_session, tmp_path,
+def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_step(train_nodes, tmp_path,
                                                                                      reference):
     import sharded_state_jobs
 
@@ -102,7 +113,7 @@ def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_
     assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-15.npz")))
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_rank_resharded(ray_session, tmp_path, reference):
+def test_a_two_rank_checkpoint_resumes_on_one_rank_resharded(train_nodes, tmp_path, reference):
     import sharded_state_jobs
 
     storage = str(tmp_path / "store")
