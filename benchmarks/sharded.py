@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-mb", type=float, default=64, help="params + Adam moments in all, MiB (float32)")
     parser.add_argument("--width", type=int, default=1024, help="width of each Linear layer")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per iteration")
-    parser.add_argument("--iterations", type=int, default=20, help="iterations per variant and round")
+    parser.add_argument("--iterations", type=int, default=40, help="iterations per variant and round")
     parser.add_argument("--every", type=int, default=5, help="checkpoint interval k in iterations")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (figures are medians)")
     add_json_argument(parser)
@@ -92,7 +92,12 @@ def save_figures(saves: list[list[dict]], settings: Settings) -> dict:
         by_variant[name] = {"wall_s": walls, "checkpoints": checkpoints,
                             "stall_s_per_checkpoint": {"rank0": stall_by_rank[0], "slowest": max(stall_by_rank),
                                                        "by_rank": stall_by_rank},
-                            "peak_rss_bytes": [max(e["peak_rss_bytes"] for e in runs[r]) for r in range(ranks)]}
+                            **_rss(runs)}
+        if name == "ours":
+            steps = [s for r in range(ranks) for e in runs[r] for s in e["off_checkpoint_step_s"]]
+            by_variant[name]["step_s_off_checkpoint_median"] = statistics.median(steps) if steps else 0.0
+            by_variant[name]["engine_stall_s_per_checkpoint"] = statistics.median(
+                e["engine_stall_s"] / max(e["checkpoints"], 1) for r in range(ranks) for e in runs[r])
     baseline = by_variant["baseline"]["wall_s"]
     for name, entry in by_variant.items():
         per_round = [(wall - base) / max(count, 1) for wall, base, count in
@@ -111,9 +116,15 @@ def restore_figures(restores: dict[int, list[list[dict]]], settings: Settings) -
         runs = [[entry for entry in rank_runs if entry["variant"] == name] for rank_runs in restores[world]]
         seconds = [max(runs[r][n]["seconds"] for r in range(world)) for n in range(settings.rounds)]
         found[label] = {"seconds": seconds, "median_s": statistics.median(seconds),
-                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)],
-                        "peak_rss_bytes": [max(e["peak_rss_bytes"] for e in runs[r]) for r in range(world)]}
+                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)], **_rss(runs)}
     return found
+
+
+def _rss(runs: list[list[dict]]) -> dict:
+    """Per rank: the highest peak RSS over rounds, and the largest rise above the RSS at the reset."""
+    return {"peak_rss_bytes": [max(e["peak_rss_bytes"] for e in rank_runs) for rank_runs in runs],
+            "rss_rise_bytes": [max(e["peak_rss_bytes"] - e["rss_at_start_bytes"] for e in rank_runs)
+                               for rank_runs in runs]}
 
 
 def targets(variants: dict) -> dict:
@@ -132,8 +143,9 @@ def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.1f} ms"
 
 
-def _mib(values: list[int]) -> str:
-    return " / ".join(f"{v / MiB:.0f}" for v in values)
+def _mib(entry: dict) -> str:
+    return " / ".join(f"{peak / MiB:.0f} (+{rise / MiB:.0f})"
+                      for peak, rise in zip(entry["peak_rss_bytes"], entry["rss_rise_bytes"]))
 
 
 def table(figures: dict) -> str:
@@ -141,21 +153,26 @@ def table(figures: dict) -> str:
     base_wall = statistics.median(variants["baseline"]["wall_s"])
     async_stall = variants["dcp async_save"]["stall_s_per_checkpoint"]["slowest"]
     lines = ["", "| variant | stall / ckpt, rank 0 | slowest rank | x below async_save | slowdown / ckpt | "
-             "vs baseline wall | ckpts per round | peak RSS per rank, MiB |", "|---|---|---|---|---|---|---|---|"]
+             "vs baseline wall | ckpts per round | peak RSS per rank, MiB (rise) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, entry in variants.items():
         stall = entry["stall_s_per_checkpoint"]
         below = f"{async_stall / stall['slowest']:.1f}x" if name != "baseline" and stall["slowest"] > 0 else "-"
         extra = statistics.median(entry["wall_s"]) / base_wall - 1
         lines.append(f"| {name} | {_ms(stall['rank0'])} | {_ms(stall['slowest'])} | {below} | "
                      f"{_ms(entry['slowdown_s_per_checkpoint'])} | {100 * extra:+.1f} % | "
-                     f"{'/'.join(str(c) for c in entry['checkpoints'])} | {_mib(entry['peak_rss_bytes'])} |")
-    lines += ["", "| restore | median (slowest rank) | rounds | iteration | peak RSS per rank, MiB |",
+                     f"{'/'.join(str(c) for c in entry['checkpoints'])} | {_mib(entry)} |")
+    lines += ["", "| restore | median (slowest rank) | rounds | iteration | peak RSS per rank, MiB (rise) |",
               "|---|---|---|---|---|"]
     for label, entry in restores.items():
         rounds = ", ".join(_ms(s) for s in entry["seconds"])
         lines.append(f"| {label} | {_ms(entry['median_s'])} | {rounds} | {entry['iteration'][0]} | "
-                     f"{_mib(entry['peak_rss_bytes'])} |")
-    lines += ["", f"baseline wall per round: {', '.join(f'{w:.2f} s' for w in variants['baseline']['wall_s'])}",
+                     f"{_mib(entry)} |")
+    ours = variants["ours"]
+    lines += ["", f"ours: cf.step() on an iteration without a checkpoint {_ms(ours['step_s_off_checkpoint_median'])} "
+              f"(median; the decision exchange, counted in its stall); the engine's own stall count "
+              f"{_ms(ours['engine_stall_s_per_checkpoint'])} per checkpoint"]
+    lines += [f"baseline wall per round: {', '.join(f'{w:.2f} s' for w in variants['baseline']['wall_s'])}",
               f"target: stall at least {STALL_TARGET:.0f}x below async_save (slowest rank): "
               f"{aims['stall_below_async_x']:.1f}x, {'met' if aims['stall_met'] else 'not met'}",
               f"target: slowdown per checkpoint no worse than async_save's: {_ms(aims['slowdown_ours_s'])} vs "

@@ -32,7 +32,7 @@ class Settings:
     state_mb: float = 64.0
     width: int = 1024
     batch: int = 32
-    iterations: int = 20
+    iterations: int = 40
     every: int = 5
     rounds: int = 3
 
@@ -93,10 +93,18 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss_bytes() -> int:
+    return _status_bytes("VmHWM:")
+
+
+def rss_bytes() -> int:
+    return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+    raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
 def _gather(item: Any, world: int) -> list[Any]:
@@ -140,6 +148,7 @@ class NoCheckpoints:
         self.stall_s = 0.0
         self.checkpoints = 0
         self.engine_stall_s: float | None = None  # ours: the engine's own count, for comparison
+        self.off_checkpoint_step_s: list[float] = []  # ours: cf.step() on iterations that take no checkpoint
 
     def after_step(self, it: int) -> None:
         pass
@@ -159,6 +168,7 @@ class Ours(NoCheckpoints):
         from ray_checkfreq.storage.sharded_store import ShardedStore
 
         super().__init__()
+        self.every = settings.every
         store = ShardedStore(str(directory))
         chosen: list[Any] = [store.acquire_writer() if rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
@@ -171,7 +181,10 @@ class Ours(NoCheckpoints):
     def after_step(self, it: int) -> None:
         start = time.perf_counter()
         self.cf.step()
-        self.stall_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.stall_s += took
+        if it % self.every:
+            self.off_checkpoint_step_s.append(took)
 
     def finish(self) -> None:
         self.cf.close()
@@ -269,6 +282,7 @@ def _one_run(name: str, settings: Settings, rank: int, directory: Path, groups: 
     checkpointer = _checkpointer(name, model, opt, settings, rank, directory, groups)
     dist.barrier()
     reset_peak_rss()
+    rss_at_start = rss_bytes()
     start = time.perf_counter()
     for it in range(1, settings.iterations + 1):
         train_step(model, opt, settings, it, rank)
@@ -276,7 +290,8 @@ def _one_run(name: str, settings: Settings, rank: int, directory: Path, groups: 
     checkpointer.finish()  # the last checkpoint durable: part of the run's wall time
     wall = time.perf_counter() - start
     return {"wall_s": wall, "stall_s": checkpointer.stall_s, "checkpoints": checkpointer.checkpoints,
-            "engine_stall_s": checkpointer.engine_stall_s, "peak_rss_bytes": peak_rss_bytes()}
+            "engine_stall_s": checkpointer.engine_stall_s, "off_checkpoint_step_s": checkpointer.off_checkpoint_step_s,
+            "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def restore_job(rank: int, world: int, root: Path) -> None:
@@ -290,12 +305,13 @@ def restore_job(rank: int, world: int, root: Path) -> None:
             model, opt = build(settings, seed=1)
             dist.barrier()
             reset_peak_rss()
+            rss_at_start = rss_bytes()
             start = time.perf_counter()
             loaded = _restore_ours(model, opt, settings, rank, root, group) if name == "ours" else \
                 _restore_dcp(model, opt, settings, root)
             seconds = time.perf_counter() - start
             measured.append({"round": number, "variant": name, "seconds": seconds, "iteration": loaded,
-                             "peak_rss_bytes": peak_rss_bytes()})
+                             "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss_bytes()})
             del model, opt
     gathered = _gather(measured, world)
     if rank == 0:
