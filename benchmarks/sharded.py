@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from benchmarks import sharded_job as job
 from benchmarks.harness import add_json_argument, machine_info, write_json
@@ -56,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
                     for world in (settings.ranks, 1)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    figures = {"settings": {**asdict(settings), "layers": settings.layers, "state_bytes": settings.state_bytes},
-               "variants": save_figures(saves, settings), "restore": restore_figures(restores, settings),
-               "machine": machine_info()}
+    described = {**asdict(settings), "layers": settings.layers, "state_bytes": settings.state_bytes}
+    figures: dict[str, Any] = {"settings": described, "variants": save_figures(saves, settings),
+                               "restore": restore_figures(restores, settings), "machine": machine_info()}
     figures["targets"] = targets(figures["variants"])
     figures["wall_s"] = time.perf_counter() - started
     print(table(figures))

@@ -61,7 +61,8 @@ def test_figures_take_the_slowest_rank_and_the_same_round_baseline():
     assert figures["dcp save"]["slowdown_s_per_checkpoint"] == pytest.approx((2.1 - 1.1) / 2)
 
 
-@pytest.mark.parametrize("field", [{"every": 0}, {"ranks": True}, {"state_mb": 0}, {"every": 9, "iterations": 4}])
+@pytest.mark.parametrize("field", [{"every": 0}, {"ranks": True}, {"ranks": 1}, {"state_mb": 0},
+                                   {"every": 9, "iterations": 4}])
 def test_settings_refuse_bad_values(field):
     with pytest.raises(ValueError, match="--"):
         sharded_job.Settings(**field)
