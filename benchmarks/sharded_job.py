@@ -260,11 +260,13 @@ def variant_dir(root: Path, name: str) -> Path:
 
 # ------------------------------------------------------------------ jobs
 def save_job(rank: int, world: int, root: Path) -> None:
-    """Every variant once per round, every other round in reverse; the last round's
-    checkpoints stay for the restores."""
+    """Every variant once per round, every other round in reverse, after an untimed
+    baseline; the last round's checkpoints stay for the restores."""
     settings = _settings(root)
     groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     measured: list[dict] = []
+    # An untimed baseline first: a process's first run pays its warm-up (allocator, page faults, gloo).
+    _one_run("baseline", settings, rank, variant_dir(root, "baseline"), groups)
     for number in range(settings.rounds):
         for name in VARIANTS[::-1] if number % 2 else VARIANTS:
             directory = variant_dir(root, name)
@@ -302,7 +304,7 @@ def restore_job(rank: int, world: int, root: Path) -> None:
     names = ("ours", "dcp load") if world == settings.ranks else ("ours",)
     group = dist.new_group(backend="gloo")
     measured: list[dict] = []
-    for number in range(settings.rounds):
+    for number in range(-1, settings.rounds):  # round -1: untimed, the process's warm-up
         for name in names[::-1] if number % 2 else names:
             model, opt = build(settings, seed=1)
             dist.barrier()
@@ -312,6 +314,8 @@ def restore_job(rank: int, world: int, root: Path) -> None:
             loaded = _restore_ours(model, opt, settings, rank, root, group) if name == "ours" else \
                 _restore_dcp(model, opt, settings, root)
             seconds = time.perf_counter() - start
+            if number < 0:
+                continue
             measured.append({"round": number, "variant": name, "seconds": seconds, "iteration": loaded,
                              "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss_bytes()})
             del model, opt
