@@ -188,7 +188,7 @@ TIERS = {
         "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",
         "test_bench_ray.py", "test_bench_restore.py", "test_data_bench.py", "test_nearlossless_bench.py",
         "test_cluster_configs.py", "test_examples.py", "test_demo.py", "test_ray_demo.py",
-        "test_resume_mutation.py",
+        "test_resume_mutation.py", "test_bench_sharded.py",
     ),
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}

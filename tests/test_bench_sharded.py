@@ -1,0 +1,68 @@
+"""``ray-checkfreq bench sharded``: a smoke run (tiny FSDP2 state, one round) in a child process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import sharded_job
+from benchmarks.sharded import save_figures
+
+VARIANTS = {"baseline", "ours", "dcp async_save", "dcp save"}
+
+
+def test_smoke_run_has_every_variant_figures_and_ours_committed(tmp_path):
+    out = tmp_path / "sharded.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_checkfreq.cli", "bench", "sharded", "--state-mb", "1", "--width", "64",
+         "--rounds", "1", "--iterations", "4", "--every", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=150,  # about 15 s on a quiet machine; loaded, 3x that
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    variants = figures["variants"]
+    assert set(variants) == VARIANTS
+    assert variants["ours"]["checkpoints"] == [2]  # iterations 2 and 4, both committed
+    assert variants["dcp async_save"]["checkpoints"] == variants["dcp save"]["checkpoints"] == [2]
+    assert variants["baseline"]["checkpoints"] == [0]
+    for name in VARIANTS - {"baseline"}:
+        entry = variants[name]
+        assert entry["stall_s_per_checkpoint"]["slowest"] > 0, name
+        assert entry["stall_s_per_checkpoint"]["slowest"] >= entry["stall_s_per_checkpoint"]["rank0"], name
+        assert len(entry["peak_rss_bytes"]) == 2 and min(entry["peak_rss_bytes"]) > 0, name
+        assert isinstance(entry["slowdown_s_per_checkpoint"], float), name
+    restores = figures["restore"]
+    assert len(restores) == 3
+    for label, entry in restores.items():
+        assert entry["iteration"] == [4] and entry["median_s"] > 0, label  # the newest checkpoint came back
+    assert set(figures["targets"]) >= {"stall_met", "slowdown_met", "stall_below_async_x"}
+    assert "target: stall at least 5x below async_save" in done.stdout
+    assert "whole run:" in done.stdout
+
+
+def _run(variant: str, rank: int, wall: float, stall: float, checkpoints: int) -> dict:
+    return {"round": 0, "variant": variant, "wall_s": wall, "stall_s": stall, "checkpoints": checkpoints,
+            "engine_stall_s": stall, "off_checkpoint_step_s": [0.001],
+            "rss_at_start_bytes": 1, "peak_rss_bytes": 2}
+
+
+def test_figures_take_the_slowest_rank_and_the_same_round_baseline():
+    settings = sharded_job.Settings(ranks=2, rounds=1, iterations=4, every=2)
+    per_rank = [[_run("baseline", 0, 1.0, 0, 0), _run("ours", 0, 1.2, 0.02, 2), _run("dcp async_save", 0, 1.4, 0.1, 2),
+                 _run("dcp save", 0, 2.0, 0.4, 2)],
+                [_run("baseline", 1, 1.1, 0, 0), _run("ours", 1, 1.5, 0.06, 2), _run("dcp async_save", 1, 1.3, 0.1, 2),
+                 _run("dcp save", 1, 2.1, 0.5, 2)]]
+    figures = save_figures(per_rank, settings)
+    assert figures["ours"]["stall_s_per_checkpoint"] == {"rank0": 0.01, "slowest": 0.03, "by_rank": [0.01, 0.03]}
+    assert figures["ours"]["slowdown_s_per_checkpoint"] == pytest.approx((1.5 - 1.1) / 2)
+    assert figures["dcp save"]["slowdown_s_per_checkpoint"] == pytest.approx((2.1 - 1.1) / 2)
+
+
+@pytest.mark.parametrize("field", [{"every": 0}, {"ranks": True}, {"ranks": 1}, {"state_mb": 0},
+                                   {"every": 9, "iterations": 4}])
+def test_settings_refuse_bad_values(field):
+    with pytest.raises(ValueError, match="--"):
+        sharded_job.Settings(**field)
