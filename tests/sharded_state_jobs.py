@@ -8,16 +8,12 @@ Every job writes what it saw under its directory; the tests compare in the paren
 from __future__ import annotations
 
 import json
-import os
-import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ray_checkfreq.engine.state import LocalState, StateAdapter, TensorChunk, is_sharded, state_adapter
 from ray_checkfreq.storage.tree import flatten_state, leaves_of, skeleton_leaf_refs, unflatten_state
@@ -29,27 +25,11 @@ MORE = 2
 
 # ------------------------------------------------------------------ process group
 def spawn(job: Any, world: int, root: str) -> None:
-    """``job(rank, world, Path(root))`` on ``world`` gloo ranks. The ranks meet through a
-    fresh file (a TCP port picked here could be taken by another process before they bind)."""
-    rendezvous = Path(root) / f"rendezvous-{uuid.uuid4().hex}"
-    mp.spawn(_entry, args=(world, f"file://{rendezvous}", job, root), nprocs=world, join=True)
+    """``job(rank, world, Path(root))`` on ``world`` gloo ranks: the benchmarks' launcher (the
+    ranks meet through a fresh file; a finished rank skips the teardown where gloo can abort)."""
+    from benchmarks.sharded_job import spawn as spawn_gloo
 
-
-def _entry(rank: int, world: int, init_method: str, job: Any, root: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        job(rank, world, Path(root))
-        dist.barrier()  # no rank tears the group down while another is still in a collective (gloo aborts)
-    finally:
-        dist.destroy_process_group()
-    # The job has finished and written its results: leave without the interpreter's teardown,
-    # where torch's gloo threads sometimes abort the process ("terminate called without an
-    # active exception", SIGABRT) once everything is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    spawn_gloo(job, world, Path(root))
 
 
 # ------------------------------------------------------------------ model and training
