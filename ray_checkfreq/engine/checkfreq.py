@@ -230,6 +230,19 @@ class CheckFreq:
                     self.store.uri)
         return iteration
 
+    def rank_snapshot_mismatch(self, state: Mapping[str, Any]) -> str | None:
+        """Sharded mode: why ``state``, this rank's own snapshot as a RAM copy of it holds it
+        (``sharded_restore.sharding_record`` under ``"sharding"``), cannot be loaded into
+        its shards now (another rank, world size or sharding); None when it can."""
+        return self._executor.rank_snapshot_mismatch(state)
+
+    def load_rank_snapshot(self, state: Mapping[str, Any]) -> int:
+        """Sharded mode: load this rank's own snapshot (``rank_snapshot_mismatch`` passed it
+        on every rank) and resume counting from it; returns its iteration. A collective."""
+        iteration = self._executor.load_rank_snapshot(state)
+        self._begin(iteration)
+        return iteration
+
     def apply_state(self, state: Mapping[str, Any]) -> int:
         """Load a checkpoint's state (as ``store.load()`` returns it) into model, optimizer,
         extra state, data and RNGs, and resume counting from it; returns its iteration."""

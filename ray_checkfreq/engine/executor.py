@@ -24,7 +24,7 @@ from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWo
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
 from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
-from ray_checkfreq.engine.sharded_restore import find_ref, load_rank_state
+from ray_checkfreq.engine.sharded_restore import find_ref, load_rank_snapshot, load_rank_state, snapshot_mismatch
 from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
 from ray_checkfreq.engine.stats import EngineStats
@@ -131,9 +131,7 @@ class Executor:
         """Sharded mode, on every rank (a collective): fill model and optimizer with this
         rank's boxes of ``step`` (any saved world size), then extra state, data and this
         rank's RNG states; returns the step's iteration."""
-        mode = self.sharded
-        if mode is None:
-            raise RuntimeError("load_sharded is for a sharded model (DTensor parameters)")
+        mode = self._require_sharded()
         ref = find_ref(store, step)
         self.loading = True
         try:
@@ -143,6 +141,34 @@ class Executor:
             self.loading = False
         own = {mode.rank: loaded.state["rng"]} if mode.rank < loaded.saved_world_size else {}
         return self._load_rest(loaded.state, {"world_size": loaded.saved_world_size, "ranks": own})
+
+    def rank_snapshot_mismatch(self, state: Mapping[str, Any]) -> str | None:
+        """Sharded mode: why this rank's own snapshot (a RAM copy) does not fit its shards
+        now; None when it does. No collective."""
+        mode = self._require_sharded()
+        self.loading = True  # the adapter may create the optimizer's lazy state (a step, no update)
+        try:
+            return snapshot_mismatch(state, mode.adapter, rank=mode.rank, world_size=mode.world_size,
+                                     optimizer_class=type(self.state.optimizer).__qualname__)
+        finally:
+            self.loading = False
+
+    def load_rank_snapshot(self, state: Mapping[str, Any]) -> int:
+        """Sharded mode, on every rank (a collective): this rank's own snapshot, which
+        ``rank_snapshot_mismatch`` passed, into its shards, extra state, data and RNG
+        states; returns its iteration."""
+        mode = self._require_sharded()
+        self.loading = True
+        try:
+            load_rank_snapshot(state, mode.adapter)
+        finally:
+            self.loading = False
+        return self._load_rest(state, {"world_size": mode.world_size, "ranks": {mode.rank: state["rng"]}})
+
+    def _require_sharded(self) -> ShardedMode:
+        if self.sharded is None:
+            raise RuntimeError("a sharded restore is for a sharded model (DTensor parameters)")
+        return self.sharded
 
     def _load_rest(self, state: Mapping[str, Any], rng: Any) -> int:
         """Extra state, data and RNGs of a loaded checkpoint (model and optimizer are in)."""
@@ -374,7 +400,8 @@ def _new_persister(seams: EngineSeams, store: CheckpointStore | ShardedStore,
     if sharded is not None:
         assert isinstance(store, ShardedStore)
         return ShardedPersistWorker(store, rank=sharded.rank, world_size=sharded.world_size,
-                                    commit_wait_s=sharded.commit_wait_s, on_done=on_persisted)
+                                    commit_wait_s=sharded.commit_wait_s, on_done=on_persisted,
+                                    seal=seams.seal_snapshot)
     assert isinstance(store, CheckpointStore)
     return PersistWorker(store, on_done=on_persisted)
 

@@ -117,6 +117,10 @@ class EngineSeams:
     # Called with each PersistResult of this rank's persister (from its thread; on rank 0 of
     # a sharded state, after the global commit); it must not block.
     on_persisted: Callable[[Any], None] | None = None
+    # Sharded mode: called by the persist thread with each snapshot once its copies landed,
+    # before its part is written (the Ray layer seals the snapshot's slot and starts its
+    # peer copy); it must not block on other ranks.
+    seal_snapshot: Callable[[Any], None] | None = None
     # The engine's clock for iteration times and stalls (a simulated one in tests).
     clock: Callable[[], float] = time.perf_counter
 

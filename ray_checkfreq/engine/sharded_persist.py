@@ -78,11 +78,13 @@ class ShardedPersistWorker(PersistThread):
 
     def __init__(self, store: ShardedStore, *, rank: int, world_size: int, commit_wait_s: float,
                  on_done: Callable[[PersistResult], None] | None = None, nice: int = PERSIST_NICE,
+                 seal: Callable[[Snapshot], None] | None = None,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.commit_wait_s = commit_wait_s
+        self._seal = seal
         self._sleep = sleep
         self._clock = clock
         super().__init__(on_done, nice)
@@ -90,6 +92,8 @@ class ShardedPersistWorker(PersistThread):
     def _save(self, snapshot: Snapshot, options: dict) -> Saved:
         if snapshot.places is None:
             raise ValueError(f"the snapshot of iteration {snapshot.step} has no chunk places: not a sharded snapshot")
+        if self._seal is not None:  # the snapshot's RAM copy is complete (and may be restored) from here on
+            self._seal(snapshot)
         part = rank_part(snapshot.state, snapshot.places, self.rank)
         codec = options.get("codec")
         written = self.store.save_part(snapshot.step, world_size=self.world_size,

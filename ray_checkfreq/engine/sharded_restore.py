@@ -6,6 +6,9 @@ smaller: the per-rank leaves of a rank that did not exist are rank 0's), then fe
 ONE ranged-read pass (``ShardedStore.load_chunks``) the box of every model and optimizer
 tensor this rank holds now, plus its per-rank leaves (RNG, extra and data state), fills
 model and optimizer in place, and returns the rest of the state.
+
+A rank's own snapshot (its RAM copy, at the same world size and sharding) loads without
+storage: ``snapshot_mismatch`` says whether it fits, ``load_rank_snapshot`` fills it in.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import torch
 
 from ray_checkfreq.engine.restore import RestoreMismatchError
 from ray_checkfreq.engine.sharded_persist import SKELETON_FORMAT
-from ray_checkfreq.engine.state import StateAdapter, TensorChunk
+from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.sharded_manifest import ShardedManifest
 from ray_checkfreq.storage.sharded_store import ShardedRef, ShardedStore
-from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs, unflatten_state
+from ray_checkfreq.storage.tree import SkeletonError, leaves_of, skeleton_leaf_refs, unflatten_state
 
 
 @dataclass(frozen=True)
@@ -136,3 +139,53 @@ def load_gathered(store: ShardedStore, step: int | None = None) -> dict[str, Any
         return unflatten_state(tree, [loaded[key][0] for key in keys])
     except SkeletonError as err:
         raise CorruptCheckpointError(ref.uri, f"skeleton: {err}") from None
+
+
+# ------------------------------------------------------------- a rank's own snapshot
+SHARDING_KEY = "sharding"
+"""The key of the sharding record in a rank's snapshot as its RAM copy holds it."""
+
+
+def sharding_record(places: Mapping[Any, ChunkPlace], *, rank: int, world_size: int) -> dict[str, Any]:
+    """What a RAM copy of a rank's snapshot carries beside its state, so that a restore can
+    tell whether its pieces are this rank's pieces now: the saving rank, its world size and
+    each model/optimizer tensor's offsets in its global tensor."""
+    return {"rank": rank, "world_size": world_size,
+            "offsets": {place.name: list(place.offsets) for place in places.values()}}
+
+
+def snapshot_mismatch(state: Mapping[str, Any], adapter: StateAdapter, *, rank: int, world_size: int,
+                      optimizer_class: str) -> str | None:
+    """Why ``state`` (a rank's own snapshot with its ``sharding_record`` under
+    ``SHARDING_KEY``) cannot fill this rank's shards as they are now; None when it can.
+    No collective: every rank checks before any of them loads."""
+    record = state.get(SHARDING_KEY)
+    if not isinstance(record, Mapping) or not isinstance(record.get("offsets"), Mapping):
+        return "it has no sharding record"
+    if (record.get("rank"), record.get("world_size")) != (rank, world_size):
+        return f"it was saved by rank {record.get('rank')} of {record.get('world_size')}, this is rank {rank} of " \
+               f"{world_size}"
+    saved_class = state.get("checkfreq", {}).get("optimizer_class")
+    if saved_class != optimizer_class:
+        return f"it was saved by {saved_class}, loading into {optimizer_class}"
+    saved = {path: leaf for path, _, leaf in leaves_of(state)}
+    for chunk in adapter.restore_targets():
+        leaf = saved.get(chunk.path)
+        if not isinstance(leaf, torch.Tensor):
+            return f"{chunk.name}: missing"
+        if record["offsets"].get(chunk.name) != list(chunk.box.offsets):
+            return f"{chunk.name}: saved at offsets {record['offsets'].get(chunk.name)}, held at {chunk.box.offsets}"
+        if tuple(leaf.shape) != chunk.box.sizes or leaf.dtype != chunk.dtype:
+            return f"{chunk.name}: saved as {tuple(leaf.shape)} {leaf.dtype}, held as {chunk.box.sizes} {chunk.dtype}"
+    return None
+
+
+def load_rank_snapshot(state: Mapping[str, Any], adapter: StateAdapter) -> None:
+    """Fill model and optimizer in place from a rank's own snapshot that
+    ``snapshot_mismatch`` passed (every rank calls it: the adapter's load is a collective)."""
+    saved = {path: leaf for path, _, leaf in leaves_of(state)}
+
+    def fill(chunk: TensorChunk) -> None:
+        chunk.local.copy_(saved[chunk.path])
+
+    adapter.apply(fill, {"model": state["model"], "optimizer": state["optimizer"]})

@@ -9,6 +9,11 @@ of dead agents are swept by creator pid and start time (``slots.sweep_leftovers`
 Invariant: one persist in flight per agent; a persist writes under the writer generation
 the request carries, so a persist of an older generation than the store's newest fails
 (fenced) instead of overwriting a newer run's view.
+
+Sharded runs (DTensor state): every rank on the node has slots of its own (``owner``: its
+rank) and writes its own part to storage itself; the agent keeps the slots and sends a
+sealed slot to another node's agent (``replicate``), which keeps the newest two copies of
+each rank (``keep_peer_copy``) so that losing a node loses none of its ranks' snapshots.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import os
 import random
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import ray
 
 from ray_checkfreq.ray import slots
@@ -28,6 +34,18 @@ from ray_checkfreq.ray.names import NAMESPACE, SLOT_PREFIX, agent_name, agent_pr
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
+
+PEER_COPIES_KEPT = 2  # per rank: the newest and the one before (a restart needs a step every rank has)
+REPLICATE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """Another node's rank's sealed slot, packed (``transfer.pack_state``), in this agent's memory."""
+
+    info: dict  # run, owner, world_size, step, generation, seq, data_crc32, from_node
+    packed: np.ndarray
+
 
 class NodeAgent:
     """The actor class (wrapped with ``ray.remote`` by ``agent_actor``)."""
@@ -41,7 +59,10 @@ class NodeAgent:
         self.incarnation = random.getrandbits(31)
         self._lock = threading.Lock()  # guards the slot table
         self._persist_lock = threading.Lock()  # one persist in flight
-        self._slots: dict[str, slots.MappedSlot] = {}
+        self._slots: dict[int | None, dict[str, slots.MappedSlot]] = {}  # owner (None: the replica) -> slots
+        self._worlds: dict[int, int] = {}  # owner rank -> the world size it allocated for
+        self._peers: dict[int, list[PeerCopy]] = {}  # owner rank -> its peer copies here, oldest first
+        self._replicating: set[int] = set()  # owner ranks whose slot is on its way to a peer
         self._retired: dict[str, slots.MappedSlot] = {}  # outgrown; removed when no persist runs
         self._layout_version = 0
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
@@ -60,13 +81,17 @@ class NodeAgent:
         return {"node_id": self.node_id, "pid": os.getpid(), "incarnation": self.incarnation,
                 "shm_free_bytes": slots.shm_free_bytes(self.shm_dir)}
 
-    def allocate(self, data_bytes: int, meta_capacity: int) -> list[str]:
-        """Paths of this agent's slots, with room for ``data_bytes``; new files only when needed.
+    def allocate(self, data_bytes: int, meta_capacity: int, owner: int | None = None,
+                 world_size: int | None = None) -> list[str]:
+        """Paths of the slots of ``owner`` (a rank of a sharded run; None: the node's replica),
+        with room for ``data_bytes``; new files only when needed.
 
         Old files are dropped (ranks that mapped them keep their mapping until they remap).
         """
         with self._lock:
-            current = list(self._slots.values())
+            current = list(self._slots.get(owner, {}).values())
+            if owner is not None and world_size is not None:
+                self._worlds[owner] = world_size
             if current and all(s.header().data_capacity >= data_bytes and s.header().meta_capacity >= meta_capacity
                                for s in current):
                 return [s.path for s in current]
@@ -77,22 +102,78 @@ class NodeAgent:
                                       f"{free} free")
             self._layout_version += 1
             fresh = {}
+            mark = "" if owner is None else f"r{owner}-"
             for letter in "AB"[:self.slot_count]:
                 path = os.path.join(self.shm_dir, f"{SLOT_PREFIX}{self.run}-{self.node_id[:12]}-"
-                                    f"{self.incarnation:08x}-{self._layout_version}-{letter}")
+                                    f"{self.incarnation:08x}-{self._layout_version}-{mark}{letter}")
                 slots.create_slot_file(path, run=self.run, node=self.node_id, incarnation=self.incarnation,
                                        data_capacity=data_bytes, meta_capacity=meta_capacity)
                 fresh[path] = slots.MappedSlot.open(path)
             # A slot may be in a persist right now: retired slots go once no persist runs.
             self._retired.update({slot.path: slot for slot in current})
             self._drop_retired()
-            self._slots = fresh
+            self._slots[owner] = fresh
             return list(fresh)
 
     def slot_headers(self) -> list[dict]:
-        """Every slot's header (state, step, seq, generation, ...) plus its path."""
+        """Every slot's header (state, step, seq, generation, ...) plus its path, its owner
+        (None: the node's replica) and, for a rank's slot, the world size it was made for."""
         with self._lock:
-            return [{"path": path, **asdict(slot.header())} for path, slot in self._slots.items()]
+            return [{"path": path, "owner": owner, "world_size": self._worlds.get(owner) if owner is not None else None,
+                     **asdict(slot.header())}
+                    for owner, table in self._slots.items() for path, slot in table.items()]
+
+    # ------------------------------------------------------------ peer copies
+    def replicate(self, path: str, seq: int, owner: int, peer: Any) -> dict:
+        """Send the sealed slot ``path`` (still holding ``seq``) of rank ``owner`` to the agent
+        ``peer`` on another node; returns what was sent, or ``{"skipped": ...}`` while the
+        previous copy of that rank is still on its way (one in flight per rank)."""
+        from ray_checkfreq.ray.transfer import pack_state
+
+        with self._lock:
+            if owner in self._replicating:
+                return {"skipped": "a copy of this rank is still on its way"}
+            self._replicating.add(owner)
+        try:
+            start = time.perf_counter()
+            slot = self._slot(path)
+            header, state = slot.read()
+            if header.seq != seq:
+                return {"skipped": f"the slot holds snapshot #{header.seq}, not #{seq}"}
+            packed = pack_state(state)
+            del state
+            if slot.header() != header:  # its rank began the next snapshot in it while it was packed
+                return {"skipped": f"the slot was rewritten while snapshot #{seq} was packed"}
+            info = {"run": header.run, "owner": owner, "world_size": self._worlds.get(owner), "step": header.step,
+                    "generation": header.generation, "seq": header.seq, "data_crc32": header.data_crc32,
+                    "from_node": self.node_id}
+            ray.get(peer.keep_peer_copy.remote(info, packed), timeout=REPLICATE_TIMEOUT_S)
+            return {**info, "bytes": int(packed.nbytes), "seconds": time.perf_counter() - start}
+        finally:
+            with self._lock:
+                self._replicating.discard(owner)
+
+    def keep_peer_copy(self, info: dict, packed: np.ndarray) -> None:
+        """Keep a copy of another node's rank's slot (a private copy: the sender may die)."""
+        kept = PeerCopy(info=dict(info), packed=np.array(packed, copy=True))
+        owner = int(info["owner"])
+        with self._lock:
+            copies = [c for c in self._peers.get(owner, []) if c.info["step"] != kept.info["step"]]
+            self._peers[owner] = [*copies, kept][-PEER_COPIES_KEPT:]
+
+    def peer_headers(self) -> list[dict]:
+        """What each peer copy here is of (no bytes)."""
+        with self._lock:
+            return [dict(copy.info) for copies in self._peers.values() for copy in copies]
+
+    def read_peer(self, owner: int, step: int, generation: int) -> np.ndarray:
+        """The packed peer copy of rank ``owner``'s snapshot of ``step`` (``generation``)."""
+        with self._lock:
+            for copy in self._peers.get(owner, []):
+                if (copy.info["step"], copy.info["generation"]) == (step, generation):
+                    return copy.packed
+        raise slots.SlotError(f"<peer copy of rank {owner}>", f"the agent on node {self.node_id[:12]} holds no copy "
+                                                               f"of step {step} (generation {generation})")
 
     # ---------------------------------------------------------------- persist
     def persist(self, path: str, seq: int, store: CheckpointStore, generation: int, *, codec: str | None = None,
@@ -147,7 +228,8 @@ class NodeAgent:
 
     def _slot(self, path: str) -> slots.MappedSlot:
         with self._lock:
-            slot = self._slots.get(path) or self._retired.get(path)
+            slot = next((table[path] for table in self._slots.values() if path in table), None) \
+                or self._retired.get(path)
         if slot is None:
             raise slots.SlotError(path, f"not a slot of the agent on node {self.node_id[:12]}")
         return slot
@@ -203,9 +285,9 @@ class NodeAgent:
 
     def _remove_all(self) -> None:
         with self._lock:
-            for slot in [*self._slots.values(), *self._retired.values()]:
+            for slot in [*(s for table in self._slots.values() for s in table.values()), *self._retired.values()]:
                 self._remove(slot)
-            self._slots, self._retired = {}, {}
+            self._slots, self._retired, self._peers = {}, {}, {}
 
     @staticmethod
     def _remove(slot: slots.MappedSlot) -> None:

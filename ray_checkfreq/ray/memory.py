@@ -30,9 +30,12 @@ logger = logging.getLogger("ray_checkfreq.ray")
 class SlotMemory:
     """The engine's ``HostMemory`` backed by an agent's slot files on this node."""
 
-    def __init__(self, agent: Any, *, generation: Callable[[], int]) -> None:
+    def __init__(self, agent: Any, *, generation: Callable[[], int], owner: int | None = None,
+                 world_size: int | None = None) -> None:
         self.agent = agent
         self._generation = generation
+        self._owner = owner  # a sharded run's rank: slots of its own (None: the node's replica)
+        self._world_size = world_size
         self._mapped: list[slots.MappedSlot] = []
         self._stale = False
 
@@ -55,7 +58,8 @@ class SlotMemory:
         self._stale = True
 
     def _remap(self, plan: slots.SlotLayout) -> None:
-        paths = ray.get(self.agent.allocate.remote(plan.data_bytes, slots.meta_capacity_for(plan)))
+        paths = ray.get(self.agent.allocate.remote(plan.data_bytes, slots.meta_capacity_for(plan), self._owner,
+                                                   self._world_size))
         self.close()
         self._mapped = [slots.MappedSlot.open(path) for path in paths]
         self._stale = False

@@ -154,6 +154,12 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 def state_bytes_guess(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The state's size before it exists: parameters, and per parameter as many tensors again
     as the optimizer's defaults suggest (Adam: two moments)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A sharded parameter's own piece (to_local()): what this rank's slots hold.
+    params = sum(p.numel() * p.element_size() for p in map(_local_piece, model.parameters()))
     moments = 2 if any(key in optimizer.defaults for key in ("betas", "beta1")) else 1
     return params * (1 + moments) + (1 << 20)
+
+
+def _local_piece(parameter: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(parameter, "to_local", None)
+    return to_local() if callable(to_local) else parameter

@@ -22,8 +22,9 @@ import ray
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_notice_record
+from ray_checkfreq.ray.shard_copies import RankSource, choose_shard_sources, ram_headers, read_rank_source
 from ray_checkfreq.ray.slots import SLOT_COMPLETE
-from ray_checkfreq.ray.transfer import broadcast_json, broadcast_state, unpack_state
+from ray_checkfreq.ray.transfer import all_gather_json, broadcast_json, broadcast_state, unpack_state
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.sharded_store import ShardedStore
 
@@ -42,6 +43,8 @@ class RestoreChoice:
     needs_persist: bool = False  # a slot newer than the newest commit
     committed_step: int | None = None
     via_agent: bool = False  # no rank on the slot's node: its agent sends it through the object store
+    # A sharded run's RAM copies: rank r reads ``sources[r]`` (shard_copies.RankSource as a dict).
+    sources: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "storage", "slot"):
@@ -61,7 +64,7 @@ def choose_source(*, committed_step: int | None, slot_headers: Mapping[str, Sequ
     by_step: dict[int, list[tuple[str, Mapping[str, Any]]]] = {}
     for node, headers in slot_headers.items():
         for header in headers:
-            if header.get("state") == SLOT_COMPLETE and header.get("run") == run:
+            if header.get("state") == SLOT_COMPLETE and header.get("run") == run and header.get("owner") is None:
                 by_step.setdefault(int(header["step"]), []).append((node, header))
     for step in sorted(by_step, reverse=True):
         copies = by_step[step]
@@ -111,7 +114,8 @@ class RestartProtocol:
     wait_s: float  # how long to wait for in-flight persists (RayConfig.restart_wait_s)
     warn_every_s: float
     restored_persist: Any = None  # rank 0: the agent's persist of a restored slot (not awaited)
-    # A sharded (DTensor) state: every rank wrote its part of each step here; no RAM slots.
+    # A sharded (DTensor) state: every rank wrote its part of each step here (and may hold
+    # its snapshots in slots of its own and peer copies: shard_copies.py).
     parts: ShardedStore | None = None
 
     def decide(self) -> Decided:
@@ -132,13 +136,13 @@ class RestartProtocol:
             iteration = 0
             info: dict = {"kind": "none", "step": 0, "seconds": 0.0}
         else:
-            if self.parts is not None:  # every rank reads its own boxes (a collective: the state's load)
-                iteration, fell_back = engine.load_sharded(choice.step), False
+            if self.parts is not None:  # every rank reads its own pieces (collectives)
+                iteration, kind = self._load_shards(choice, engine)
             else:
                 state, fell_back = self._load(choice)
-                iteration = engine.apply_state(state)
+                iteration, kind = engine.apply_state(state), "storage" if fell_back else choice.kind
                 del state
-            info = {"kind": "storage" if fell_back else choice.kind,  # what was read, not only what was chosen
+            info = {"kind": kind,  # what this rank read, not only what was chosen
                     "step": iteration, "node_id": choice.node_id, "committed_step": choice.committed_step,
                     "seconds": time.perf_counter() - started}
         info["lost_after_notice"] = self._count_notice_loss(decided.notice_record, iteration, decided.generation)
@@ -161,9 +165,10 @@ class RestartProtocol:
         return choice, generation
 
     def _choose_sharded(self, parts: ShardedStore) -> tuple[RestoreChoice, int]:
-        """The newest step complete across all its parts. The generation comes first: an old
-        rank still writing is fenced from then on; then a step whose parts were all written
-        but whose committer died is committed (salvage)."""
+        """The newest step complete across all its parts, or newer in every rank's RAM copies
+        (``shard_copies.choose_shard_sources``). The generation comes first: an old rank
+        still writing is fenced from then on; then a step whose parts were all written but
+        whose committer died is committed (salvage)."""
         generation = self.store.acquire_writer()
         parts.adopt_generation(generation)
         salvaged = parts.salvage()
@@ -171,9 +176,40 @@ class RestartProtocol:
             logger.warning("restart: committed step %d, whose parts were all durable but not committed",
                            salvaged.step)
         newest = parts.latest()
-        if newest is None:
+        committed = newest.step if newest is not None else None
+        slot_found, peer_found = ram_headers(agents.live_agents(self.run))
+        in_ram = choose_shard_sources(committed_step=committed, slot_headers=slot_found, peer_headers=peer_found,
+                                      run=self.run, world_size=self.world_size, rank_nodes=self.nodes)
+        if in_ram is not None:
+            step, sources = in_ram
+            return RestoreChoice(kind="slot", step=step, committed_step=committed,
+                                 sources=[asdict(source) for source in sources]), generation
+        if committed is None:
             return RestoreChoice(kind="none"), generation
-        return RestoreChoice(kind="storage", step=newest.step, committed_step=newest.step), generation
+        return RestoreChoice(kind="storage", step=committed, committed_step=committed), generation
+
+    def _load_shards(self, choice: RestoreChoice, engine: Any) -> tuple[int, str]:
+        """Every rank's pieces of the chosen step: from the RAM copies when every rank's is
+        readable and fits, else every rank from storage; (iteration, what this rank read)."""
+        if choice.kind == "slot" and choice.sources is not None:
+            source = RankSource(**choice.sources[self.rank])
+            state: Any = None
+            try:
+                state = read_rank_source(source, run=self.run, node_id=self.node_id)
+                why = engine.rank_snapshot_mismatch(state)
+            except (slots.SlotError, OSError) as err:
+                why = str(err)
+            reasons = all_gather_json(why, world_size=self.world_size, group=self.group)
+            if not any(reasons):
+                return engine.load_rank_snapshot(state), source.kind
+            unusable = {rank: reason for rank, reason in enumerate(reasons) if reason}
+            logger.error("restore: the RAM copies of step %s are unusable (%s); every rank reads storage",
+                         choice.step, "; ".join(f"rank {r}: {why}" for r, why in unusable.items()))
+            del state
+            if choice.committed_step is None:
+                return 0, "none"
+            return engine.load_sharded(choice.committed_step), "storage"
+        return engine.load_sharded(choice.step), "storage"
 
     def _load(self, choice: RestoreChoice) -> tuple[Any, bool]:
         """The chosen state on every rank, read by one rank and broadcast; True: it fell back to storage."""

@@ -13,10 +13,12 @@ on each node copies its replica of the state into its node's agent (one copy); r
 agent persists it. ``restore()`` runs the restart protocol of ``restart.py``.
 
 A sharded state (FSDP2 / HSDP / TP: DTensor parameters) needs no other code: every rank
-snapshots its own shards and persists them as its part of the step, a step is visible once
-every part is durable (one global commit, ``storage/sharded_store.py``), and a restart
-reads each rank's boxes of the newest complete step at any world size. Sharded runs keep
-no RAM copies in node agents yet: they restore from storage.
+snapshots its own shards into slots of its own in its node's agent and persists them as its
+part of the step, a step is visible once every part is durable (one global commit,
+``storage/sharded_store.py``), and each sealed slot is copied to the agent of another node
+(``shard_copies.py``). A restart at the same world size reads every rank's pieces from RAM
+(its slot, else a peer copy) when all are there, else each rank's boxes of the newest
+complete step from storage, at any world size.
 
 One module per role: set-up in ``rank_setup.py``, the per-step path in ``CheckFreq.step``,
 the restart protocol in ``restart.py``, preemption in ``preemption.py``, following the
@@ -60,6 +62,7 @@ from ray_checkfreq.ray.rank_setup import overhead_of as _overhead_of
 from ray_checkfreq.ray.registration import RegistrationConfig
 from ray_checkfreq.ray.restart import RestartProtocol
 from ray_checkfreq.ray.rng import gather_rng, set_own_rng
+from ray_checkfreq.ray.shard_copies import ShardSealer, peer_node
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -161,9 +164,17 @@ class CheckFreq:
         self.restore_info: dict | None = None
         self.agent = (start_agent(run=self.run, node_id=self.node_id, model=model, optimizer=optimizer,
                                   shm_dir=config.shm_dir, slot_count=config.slots, lease_s=config.agent_lease_s)
-                      if self.snapshots and config.use_agents and not self.sharded else None)
+                      if self.snapshots and config.use_agents else None)
         self._renewed = time.monotonic()
-        self._memory = SlotMemory(self.agent, generation=self._current_generation) if self.agent else None
+        # Sharded: slots of this rank's own (its pieces), sealed and sent to a peer node by the persist thread.
+        self._memory = (SlotMemory(self.agent, generation=self._current_generation,
+                                   owner=self.rank if self.sharded else None,
+                                   world_size=self.world_size if self.sharded else None)
+                        if self.agent else None)
+        self._sealer = (ShardSealer(rank=self.rank, world_size=self.world_size, agent=lambda: self.agent,
+                                    peer=self._peer_agent)
+                        if self.sharded and self.agent else None)
+        self._peer: Any = None
         self._decisions = BroadcastDecisions(decision_group, self.rank)
         self.metrics = new_metrics(run=self.run, rank=self.rank, node_id=self.node_id, every_s=config.metrics_every_s)
         watcher = (DrainWatcher(set(self.nodes), poll_s=config.drain_poll_s)
@@ -196,6 +207,7 @@ class CheckFreq:
             persister=None if self.sharded else self._persister,
             on_persisted=self._persisted if self.sharded else None,
             host_memory=self._memory,
+            seal_snapshot=self._sealer,
             # Sharded: each rank's RNG goes into its own part (no collective); else all ranks' into one state.
             rng_state=local_rng_state if self.sharded else lambda: gather_rng(world_size=self.world_size,
                                                                                 group=self._control_group),
@@ -285,6 +297,16 @@ class CheckFreq:
             self._memory.replace_agent(handle)
         return handle
 
+    def _peer_agent(self, refresh: bool) -> Any:
+        """The agent that keeps this node's peer copies (sharded runs); None on one node."""
+        node = peer_node(self.nodes, self.node_id)
+        if node is None:
+            return None
+        if self._peer is None or refresh:
+            self._peer = agents.get_or_create_agent(self.run, node, lease_s=self.ray_config.agent_lease_s,
+                                                    slot_count=self.ray_config.slots)
+        return self._peer
+
     def _renew_agent_lease(self) -> None:
         if self.agent is not None and time.monotonic() - self._renewed > self.ray_config.agent_lease_s / 4:
             self._renewed = time.monotonic()
@@ -349,6 +371,7 @@ class CheckFreq:
     def stats(self) -> dict:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
                 "snapshots": self.snapshots, "sharded": self.sharded, "restore": self.restore_info,
+                "peer_copies": self._sealer.stats() if self._sealer is not None else None,
                 "notices": list(self.notices),
                 "policy_decisions": list(self.policy_decisions),
                 "metrics": self.metrics.values() if self.metrics is not None else None,
