@@ -33,7 +33,13 @@ def train(config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     model = jobs.sharded_net(seed=0)
     optimizer = jobs.optimizer_of(model)
-    cf = CheckFreq(model=model, optimizer=optimizer, storage=config["storage"], every=config["every"],
+    storage = config["storage"]
+    if config.get("hold_control"):  # a store whose writes stop where the test armed a hold (chaos/holds.py)
+        from ray_checkfreq.chaos.holds import holding_filesystem
+        from ray_checkfreq.storage import CheckpointStore
+
+        storage = CheckpointStore(storage, filesystem=holding_filesystem(config["hold_control"]))
+    cf = CheckFreq(model=model, optimizer=optimizer, storage=storage, every=config["every"],
                    compress=False, ray_config=RayConfig(restart_wait_s=3.0))
     start = cf.restore()
     log(work_dir, rank, event="start", iteration=start, world_size=world, node=cf.node_id, restore=cf.restore_info,

@@ -1,4 +1,4 @@
-"""FSDP2 on Ray Train (CPU gloo, 2 workers on two one-CPU nodes): the same
+"""FSDP2 on Ray Train (CPU gloo, 2 workers on three one-CPU nodes): the same
 ``ray_checkfreq.ray.CheckFreq`` line as for DDP, every rank writing its own shards, one
 global commit per step, and restarts that read each rank's boxes of the newest complete
 step, at the same or another world size.
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -29,7 +31,7 @@ def train_nodes():
     placed them, with the resources free)."""
     from conftest import own_cluster
 
-    with own_cluster(2) as cluster:
+    with own_cluster(3) as cluster:
         yield cluster
 
 
@@ -83,24 +85,70 @@ def assert_equal_state(final: dict, reference: dict, *, atol: float = 0.0) -> No
             np.testing.assert_allclose(final[name], value, rtol=0, atol=atol, err_msg=name)
 
 
-def test_a_rank_killed_mid_interval_resumes_every_rank_from_the_newest_complete_step(train_nodes, tmp_path,
-                                                                                     reference):
+def remove_node_when(cluster, work_dir: str, *, attempt: int, iteration: int, removed: dict) -> threading.Thread:
+    """Remove rank 1's node (SIGKILL of its raylet and processes) once rank 1 of the given
+    attempt (0-based) logged ``iteration``."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                begun = starts(work_dir, 1)
+                reached = [e["iteration"] for e in events(work_dir, 1, "batch") if e["t"] > begun[attempt]["t"]] \
+                    if len(begun) > attempt else []
+            except (FileNotFoundError, IndexError):
+                reached = []
+            if reached and max(reached) >= iteration:
+                node = begun[attempt]["node"]
+                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node), allow_graceful=False)
+                removed["node"] = node
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def ram_source(node: str, *, own: str, ring: list[str]) -> str:
+    """What a rank that restarted on ``node`` reads: its slot (on ``own``, its node before)
+    in place or through that node's agent, except where its node holds its peer copy (the
+    other node of the previous attempt's ring of two)."""
+    peer = ring[1 - ring.index(own)]
+    return "peer" if node == peer else "slot"
+
+
+def test_a_killed_rank_and_then_a_lost_node_resume_every_rank_from_ram(train_nodes, tmp_path, reference):
+    """Attempt 1: rank 1 SIGKILLed after iteration 11 (k = 3): every rank restarts at 9
+    from RAM. Attempt 2: the part writes of step 12 are held (storage stays at 9), and rank
+    1's node is removed after iteration 14: attempt 3 resumes at 12, newer than anything in
+    storage, rank 1 from the peer copy the lost node had sent, rank 0 from its slot."""
     import sharded_state_jobs
 
-    storage = str(tmp_path / "store")
-    result, work_dir = fit(tmp_path, "kill", storage, workers=2, max_failures=1, every=3, sleep_s=0.2,
-                           kill={"rank": 1, "iteration": 11}, gather_at=15)
+    from ray_checkfreq.chaos import holds
+
+    storage, control = str(tmp_path / "store"), str(tmp_path / "holds")
+    holds.arm(control, "persist", hold_s=120, from_step=12)
+    work_dir = str(tmp_path / "kill")
+    removed: dict = {}
+    os.makedirs(work_dir)
+    remover = remove_node_when(train_nodes, work_dir, attempt=1, iteration=14, removed=removed)
+    result, _ = fit(tmp_path, "kill", storage, workers=2, max_failures=2, every=3, sleep_s=0.3,
+                    kill={"rank": 1, "iteration": 11}, gather_at=15, hold_control=control)
+    remover.join(timeout=5)
     assert not isinstance(result, Exception), result
+    assert removed, "rank 1's node was never removed"
+    assert holds.inside(control, "persist")["step"] == 12  # a part of 12 was held, so 12 was never committed
+    nodes = [starts(work_dir, rank)[0]["node"] for rank in (0, 1)]
     for rank in (0, 1):
-        first, restarted = starts(work_dir, rank)
+        first, killed, lost = starts(work_dir, rank)
         assert first["iteration"] == 0 and first["restore"]["kind"] == "none"
-        # Checkpoints at 3, 6, 9 (k = 3); rank 1 died after iteration 11, before 12's.
-        assert restarted["iteration"] == 9, restarted
-        # From RAM, not storage: its own slot where it restarted on the same node, else the
-        # peer copy that the other node's agent keeps (the ring of two nodes).
-        same_node = restarted["node"] == first["node"]
-        assert restarted["restore"]["kind"] == ("slot" if same_node else "peer"), (rank, restarted)
-        assert restarted["restore"]["step"] == 9
+        # Checkpoints at 3, 6, 9; rank 1 died after iteration 11, before 12's. From RAM, not storage.
+        assert killed["iteration"] == 9 and killed["restore"]["step"] == 9, killed
+        assert killed["restore"]["kind"] == ram_source(killed["node"], own=first["node"], ring=nodes), (rank, killed)
+        # Storage had 9 only: 12 came from RAM, rank 1's from the peer copy of its lost node.
+        assert lost["iteration"] == 12 and lost["restore"]["committed_step"] == 9, lost
+        assert lost["restore"]["kind"] == ("peer" if rank == 1 else "slot"), (rank, lost)
     assert max(committed_steps(storage)) == 15
     ends = [events(work_dir, rank, "end")[-1]["stats"] for rank in (0, 1)]
     assert all(end["sharded"] and end["snapshots"] for end in ends), ends
