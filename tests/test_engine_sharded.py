@@ -12,6 +12,7 @@ never writing its part of step 12; a 3-rank restore reads the crash's store and 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -441,3 +442,57 @@ def test_a_fenced_rank_part_is_a_persist_failure(tmp_path: Path) -> None:
     finally:
         worker.close()
     assert store.list() == []
+
+
+# ------------------------------------------------------------------ a rank's own snapshot (RAM copy)
+def own_snapshot_job(rank: int, world: int, root: Path) -> None:
+    """Each rank keeps a copy of its own pieces with their sharding record (as its slot
+    holds it), trains on, checks which records fit, and loads its copy back."""
+    from ray_checkfreq.engine.sharded_restore import (
+        SHARDING_KEY,
+        load_rank_snapshot,
+        sharding_record,
+        snapshot_mismatch,
+    )
+
+    torch.set_num_threads(1)
+    model = jobs.sharded_net(seed=0)
+    opt = jobs.optimizer_of(model)
+    jobs.train(model, opt, range(3), rank, world)
+    adapter = jobs.fsdp_adapter(model, opt)
+    view = adapter.local_view(adapter.live_state())
+    copied = {**copy.deepcopy(view.state), "checkfreq": {"optimizer_class": type(opt).__qualname__}}
+    record = sharding_record({c.path: ChunkPlace.of(c) for c in view.chunks}, rank=rank, world_size=world)
+    state = {**copied, SHARDING_KEY: record}
+    saved = jobs.full_state(model, opt)
+    jobs.train(model, opt, range(3, 5), rank, world)
+    name = view.chunks[0].name
+    shifted = {**record, "offsets": {**record["offsets"], name: [o + 1 for o in record["offsets"][name]]}}
+    checks = {
+        "fits": snapshot_mismatch(state, adapter, rank=rank, world_size=world, optimizer_class="AdamW"),
+        "other rank": snapshot_mismatch({**state, SHARDING_KEY: {**record, "rank": 1 - rank}}, adapter,
+                                        rank=rank, world_size=world, optimizer_class="AdamW"),
+        "other world": snapshot_mismatch(state, adapter, rank=rank, world_size=world + 1, optimizer_class="AdamW"),
+        "shifted": snapshot_mismatch({**state, SHARDING_KEY: shifted}, adapter, rank=rank, world_size=world,
+                                     optimizer_class="AdamW"),
+        "no record": snapshot_mismatch(copied, adapter, rank=rank, world_size=world, optimizer_class="AdamW"),
+        "optimizer": snapshot_mismatch(state, adapter, rank=rank, world_size=world, optimizer_class="SGD"),
+    }
+    load_rank_snapshot(state, adapter)
+    loaded = jobs.full_state(model, opt)
+    if rank == 0:
+        (root / "checks.json").write_text(json.dumps({**checks, "name": name}))
+        jobs.save_arrays(root / "saved.npz", saved)
+        jobs.save_arrays(root / "loaded.npz", loaded)
+
+
+def test_a_ranks_own_snapshot_loads_back_only_where_its_pieces_fit(tmp_path: Path) -> None:
+    jobs.spawn(own_snapshot_job, 2, str(tmp_path))
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert checks["fits"] is None
+    assert "saved by rank 1 of 2, this is rank 0 of 2" in checks["other rank"]
+    assert "this is rank 0 of 3" in checks["other world"]
+    assert checks["shifted"].startswith(f"{checks['name']}: saved at offsets")
+    assert checks["no record"] == "it has no sharding record"
+    assert "saved by AdamW, loading into SGD" in checks["optimizer"]
+    _assert_same(jobs.load_arrays(tmp_path / "loaded.npz"), jobs.load_arrays(tmp_path / "saved.npz"))
