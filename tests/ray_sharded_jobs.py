@@ -47,7 +47,7 @@ def train(config: dict) -> None:
     while cf.iteration < config["iterations"]:
         jobs.train(model, optimizer, range(cf.iteration, cf.iteration + 1), rank, world)
         cf.step()
-        log(work_dir, rank, event="batch", iteration=cf.iteration)
+        log(work_dir, rank, event="batch", iteration=cf.iteration, peer_copies=cf.stats()["peer_copies"])
         kill = config.get("kill")  # {"rank": r, "iteration": i}
         if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
             log(work_dir, rank, event="kill", iteration=cf.iteration)

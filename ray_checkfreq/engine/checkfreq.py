@@ -243,6 +243,12 @@ class CheckFreq:
         self._begin(iteration)
         return iteration
 
+    def persist_rank_snapshot(self, state: Mapping[str, Any]) -> None:
+        """Sharded mode: write this rank's own snapshot, loaded from RAM with
+        ``load_rank_snapshot`` and newer than the newest commit, as its part of that step
+        (every rank does, so the step commits; in the persist thread, not awaited)."""
+        self._executor.persist_rank_snapshot(state)
+
     def apply_state(self, state: Mapping[str, Any]) -> int:
         """Load a checkpoint's state (as ``store.load()`` returns it) into model, optimizer,
         extra state, data and RNGs, and resume counting from it; returns its iteration."""

@@ -24,12 +24,19 @@ from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWo
 from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
 from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
-from ray_checkfreq.engine.sharded_restore import find_ref, load_rank_snapshot, load_rank_state, snapshot_mismatch
-from ray_checkfreq.engine.snapshot import Snapshot, Snapshotter
+from ray_checkfreq.engine.sharded_restore import (
+    SHARDING_KEY,
+    find_ref,
+    load_rank_snapshot,
+    load_rank_state,
+    snapshot_mismatch,
+)
+from ray_checkfreq.engine.snapshot import CopyHandle, Snapshot, Snapshotter
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
 from ray_checkfreq.engine.stats import EngineStats
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.tree import leaves_of
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
@@ -164,6 +171,20 @@ class Executor:
         finally:
             self.loading = False
         return self._load_rest(state, {"world_size": mode.world_size, "ranks": {mode.rank: state["rng"]}})
+
+    def persist_rank_snapshot(self, state: Mapping[str, Any]) -> None:
+        """Sharded mode: write this rank's own snapshot, just loaded from RAM and newer than
+        the newest commit, as its part of that step (in the persist thread, not awaited;
+        the next checkpoint waits for it)."""
+        mode = self._require_sharded()
+        body = {key: value for key, value in state.items() if key != SHARDING_KEY}
+        places = {chunk.path: ChunkPlace.of(chunk) for chunk in mode.adapter.restore_targets()}
+        size = sum(leaf.numel() * leaf.element_size() for _, _, leaf in leaves_of(body)
+                   if isinstance(leaf, torch.Tensor))
+        snapshot = Snapshot(step=int(body["checkfreq"]["iteration"]), state=body, epoch_boundary=False,
+                            copies=CopyHandle.finished(), size_bytes=size, places=places)
+        self.persist.wait_idle()
+        self.persist.submit(snapshot)
 
     def _require_sharded(self) -> ShardedMode:
         if self.sharded is None:

@@ -61,6 +61,13 @@ class CopyHandle:
         self._complete.set()
         self.error: BaseException | None = None
 
+    @classmethod
+    def finished(cls) -> CopyHandle:
+        """The handle of a snapshot whose bytes are already in host memory (nothing to copy)."""
+        handle = cls()
+        handle._host_done.set()
+        return handle
+
     def hold(self) -> None:
         """The snapshot is not final yet: ``wait`` blocks until ``release``."""
         self._complete.clear()

@@ -201,7 +201,10 @@ class RestartProtocol:
                 why = str(err)
             reasons = all_gather_json(why, world_size=self.world_size, group=self.group)
             if not any(reasons):
-                return engine.load_rank_snapshot(state), source.kind
+                iteration = engine.load_rank_snapshot(state)
+                if choice.committed_step is None or iteration > choice.committed_step:
+                    engine.persist_rank_snapshot(state)  # storage gets it too: RAM may go next
+                return iteration, source.kind
             unusable = {rank: reason for rank, reason in enumerate(reasons) if reason}
             logger.error("restore: the RAM copies of step %s are unusable (%s); every rank reads storage",
                          choice.step, "; ".join(f"rank {r}: {why}" for r, why in unusable.items()))
