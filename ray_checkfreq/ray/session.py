@@ -84,7 +84,7 @@ class RayConfig:
     ``replicas``: the first rank on every node keeps a RAM copy in its node's agent (True),
     or only rank 0's node does (False: less memory traffic per checkpoint, but losing rank
     0's node falls back to storage, and a notice on it cannot hand the persist to another
-    node).
+    node). ``peer_copies``: a sharded run's ranks copy each snapshot to another node's agent.
     """
 
     restart_wait_s: float = 120.0
@@ -114,6 +114,9 @@ class RayConfig:
     """k adapts in the run's policy actor (False: on rank 0 alone)."""
     replicas: bool = True
     """A RAM copy on every node (False: on rank 0's node only)."""
+    peer_copies: bool = True
+    """Sharded runs: each rank's sealed snapshot is also copied to another node's agent, so a
+    lost node's ranks restore from RAM (False: they read storage; less network and memory)."""
 
     def __post_init__(self) -> None:
         for name in ("restart_wait_s", "restart_warn_every_s", "agent_lease_s", "drain_poll_s", "replica_wait_s"):
@@ -299,7 +302,7 @@ class CheckFreq:
 
     def _peer_agent(self, refresh: bool) -> Any:
         """The agent that keeps this node's peer copies (sharded runs); None on one node."""
-        node = peer_node(self.nodes, self.node_id)
+        node = peer_node(self.nodes, self.node_id) if self.ray_config.peer_copies else None
         if node is None:
             return None
         if self._peer is None or refresh:
