@@ -21,6 +21,7 @@ def _free_port() -> int:
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                       "health_check_timeout_ms": 500}
 TRAIN_RESOURCE = "rcf_train"
+RUN_TIMEOUT_S = 600  # a Ray Train run that hangs fails its test (chaos.harness.TrainJob.timeout_s), not CI
 SESSION_TRAIN_NODES = 2  # Train runs use 2 workers
 TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",

@@ -400,3 +400,34 @@ def test_a_train_job_names_its_bad_setting(bad: dict) -> None:
     settings = {"train": print, "name": "run", "storage_path": "/tmp/x", **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         TrainJob(**settings)
+
+
+# ------------------------------------------------------------------ bounded Ray Train runs
+def test_a_run_past_its_timeout_fails_by_name_after_its_controllers_are_ended():
+    from ray_checkfreq.chaos.harness import bounded_call
+
+    ended, release = [], threading.Event()
+    started = time.monotonic()
+    outcome = bounded_call(lambda: release.wait(30), timeout_s=0.2, what="Ray Train run 'stuck'",
+                           on_timeout=lambda: ended.append(time.monotonic()))
+    release.set()
+    assert isinstance(outcome, TimeoutError) and "Ray Train run 'stuck'" in str(outcome), outcome
+    assert "timeout_s=0.2 s" in str(outcome)
+    assert len(ended) == 1 and 0.2 <= ended[0] - started < 5
+
+
+def test_a_bounded_run_gives_back_its_result_or_its_own_error():
+    from ray_checkfreq.chaos.harness import TrainJob, bounded_call
+
+    def fail() -> None:
+        raise RuntimeError("the run's own failure")
+
+    called: list[int] = []
+    never = called.append
+    assert bounded_call(lambda: 42, timeout_s=5, what="x", on_timeout=lambda: never(1)) == 42
+    assert bounded_call(lambda: 7, timeout_s=None, what="x", on_timeout=lambda: never(1)) == 7
+    error = bounded_call(fail, timeout_s=5, what="x", on_timeout=lambda: never(1))
+    assert isinstance(error, RuntimeError) and str(error) == "the run's own failure"
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        TrainJob(train=print, name="n", storage_path="/tmp", timeout_s=0)
+    assert not called  # no timeout, no controller killed

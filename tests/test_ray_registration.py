@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pyarrow.fs
 import pytest
 import torch
+from conftest import RUN_TIMEOUT_S
 
 from ray_checkfreq import CheckpointStore
 from ray_checkfreq.ray.registration import (
@@ -219,7 +220,8 @@ def test_result_checkpoint_loads_bit_identically_with_num_to_keep_1(two_train_no
                               config={"work_dir": work_dir, "iterations": ITERATIONS, "register_every": 5,
                                       "check_pointers": True},
                               name=run_name, storage_path=str(tmp_path / "results"), workers=2,
-                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, num_to_keep=1))
+                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, num_to_keep=1,
+                              timeout_s=RUN_TIMEOUT_S))
     assert_nothing_left(run_name)
 
     model = ray_train_jobs.small_cnn()

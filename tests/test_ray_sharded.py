@@ -18,6 +18,7 @@ import uuid
 
 import numpy as np
 import pytest
+from conftest import RUN_TIMEOUT_S
 
 pytestmark = pytest.mark.chaos
 
@@ -57,7 +58,8 @@ def fit(tmp_path, name: str, storage: str, *, workers: int, max_failures: int, *
                    config={"work_dir": work_dir, "storage": storage, "iterations": ray_sharded_jobs.ITERATIONS,
                            **config},
                    name=f"{name}-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "results"), workers=workers,
-                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=max_failures)
+                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=max_failures,
+                   timeout_s=RUN_TIMEOUT_S)
     return fit_job(job, raise_errors=False), work_dir
 
 

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from conftest import RUN_TIMEOUT_S
 
 pytestmark = pytest.mark.chaos
 
@@ -56,7 +57,8 @@ def fit(tmp_path, name: str, *, workers: int | tuple[int, int] = 2, max_failures
     run_name = run_name or f"{name}-{uuid.uuid4().hex[:6]}"
     job = TrainJob(train=ray_train_jobs.train, config={"work_dir": work_dir, "iterations": ITERATIONS, **config},
                    name=run_name, storage_path=str(tmp_path / "results"), workers=workers,
-                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=max_failures)
+                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=max_failures,
+                   timeout_s=RUN_TIMEOUT_S)
     outcome = fit_job(job, raise_errors=False)  # the run's error: the caller asserts on it
     assert_nothing_left(run_name)
     return outcome, work_dir
@@ -335,7 +337,8 @@ def test_an_elastic_fsdp2_run_that_loses_a_node_goes_on_resharded_at_a_smaller_w
     job = TrainJob(train=ray_sharded_jobs.train, name=run_name, storage_path=str(tmp_path / "results"),
                    config={"work_dir": str(work), "storage": str(tmp_path / "store"), "every": 3, "sleep_s": 0.3,
                            "iterations": ray_sharded_jobs.ITERATIONS},
-                   workers=(1, 2), resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2)
+                   workers=(1, 2), resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2,
+                   timeout_s=RUN_TIMEOUT_S)
     result = fit_job(job, raise_errors=False)
     remove.join(timeout=5)
     assert not isinstance(result, Exception), result

@@ -14,6 +14,7 @@ import os
 import uuid
 
 import pytest
+from conftest import RUN_TIMEOUT_S
 from test_ray_train import TRAIN_RESOURCE, assert_nothing_left, assert_same_weights, events, require_train_nodes
 
 pytestmark = pytest.mark.chaos
@@ -33,7 +34,8 @@ def fit_example(tmp_path, name: str, **config) -> tuple[object, str]:
     result = fit_job(TrainJob(train=ray_train_jobs.train_with_evaluation,
                               config={"work_dir": work_dir, "epochs": EPOCHS, **config}, name=run_name,
                               storage_path=str(tmp_path / "results"), workers=2,
-                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2))
+                              resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2,
+                              timeout_s=RUN_TIMEOUT_S))
     assert_nothing_left(run_name)
     return result, work_dir
 

@@ -10,6 +10,9 @@ controller hook that cleans up and fences a run's agents).
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,9 @@ class TrainJob:
     """Worker-group restarts Ray Train may make."""
     num_to_keep: int | None = None
     """Ray Train's reported checkpoints kept (None: all)."""
+    timeout_s: float | None = None
+    """Seconds ``fit_job`` waits for the run (None: no limit); then it ends the run's
+    controller and fails with a TimeoutError instead of waiting for ever."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -49,17 +55,55 @@ class TrainJob:
             raise ValueError(f"max_failures={self.max_failures}: must be >= 0 (or -1: unlimited)")
         if self.num_to_keep is not None and self.num_to_keep < 1:
             raise ValueError(f"num_to_keep={self.num_to_keep}: must be None or >= 1")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be None or > 0 seconds")
 
 
 def fit_job(job: TrainJob, *, raise_errors: bool = True) -> Any:
-    """Run ``job`` to its end; its ``Result``, or its exception where ``raise_errors`` is False."""
+    """Run ``job`` to its end (at most ``job.timeout_s``); its ``Result``, or its exception
+    where ``raise_errors`` is False."""
     trainer = _trainer(job)
-    if raise_errors:
-        return trainer.fit()
+    outcome = bounded_call(trainer.fit, timeout_s=job.timeout_s, what=f"Ray Train run {job.name!r}",
+                           on_timeout=kill_train_controllers)
+    if raise_errors and isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def bounded_call(call: Callable[[], Any], *, timeout_s: float | None, what: str,
+                 on_timeout: Callable[[], None]) -> Any:
+    """``call()``'s result or exception; after ``timeout_s`` (None: never) a TimeoutError
+    naming ``what``, once ``on_timeout`` ran (the call's thread is left behind, a daemon)."""
+    if timeout_s is None:
+        return _outcome(call)
+    found: list[Any] = []
+    thread = threading.Thread(target=lambda: found.append(_outcome(call)), name="rcf-bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not found:
+        on_timeout()
+        return TimeoutError(f"{what} did not finish within timeout_s={timeout_s:g} s")
+    return found[0]
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
     try:
-        return trainer.fit()
+        return call()
     except Exception as err:  # the run's own failure: the caller reports or asserts on it
         return err
+
+
+def kill_train_controllers() -> None:
+    """SIGKILL every live Ray Train controller process of this (local) cluster: a run that
+    hangs holds its resources until its controller goes."""
+    from ray.util.state import list_actors
+
+    for actor in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+        if actor.pid:
+            try:
+                os.kill(int(actor.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _trainer(job: TrainJob) -> Any:
