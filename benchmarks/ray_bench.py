@@ -20,12 +20,14 @@ iterations and the seconds from the kill to its first step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import ray_bench_job as job
@@ -128,21 +130,30 @@ def _fit_on_running_cluster(config: dict, work_dir: str) -> None:
 
 
 def _fit_on_own_cluster(config: dict, work_dir: str) -> None:
+    config["worker_resource"] = TRAIN_RESOURCE
+    with local_cluster(2):
+        _fit(config, work_dir)
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int, *, object_store_bytes: int = 256 * MiB) -> Iterator[None]:
+    """A local ``cluster_utils.Cluster`` of ``nodes`` one-CPU nodes, the head one of them
+    (every raylet started on this machine costs start-up time), each with one
+    ``TRAIN_RESOURCE`` for one worker; the driver connected while it lasts."""
     import ray
     from ray.cluster_utils import Cluster
 
     _refuse_a_connected_process()
-    config["worker_resource"] = TRAIN_RESOURCE
-    # Two one-CPU nodes, the head one of them: every raylet (and its agents) started on this
-    # machine costs start-up time, and the recovery kill hits rank 1, whichever node it is on.
-    node: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 256 * MiB, "resources": {TRAIN_RESOURCE: 1}}
+    node: dict[str, Any] = {"num_cpus": 1, "object_store_memory": object_store_bytes,
+                            "resources": {TRAIN_RESOURCE: 1}}
     cluster = Cluster(initialize_head=True, head_node_args={
         **node, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
     try:
-        cluster.add_node(**node)
+        for _ in range(nodes - 1):
+            cluster.add_node(**node)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        _fit(config, work_dir)
+        yield
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -166,7 +166,7 @@ def run_ours(job: Job, k: int | None, storage: str, *, replicas: bool = True) ->
     cf.flush()
     timed_checkpoints = cf.stats()["checkpoints_committed"] - committed_before[0]  # taken in the timed stretch
     cf.close()
-    _end_agents(cf.run)
+    end_agents(cf.run)
     return {"seconds": seconds, "iterations": iterations, "checkpoints": timed_checkpoints,
             "checkpoints_total": stats["checkpoints_committed"],
             "k_used": stats["k"], "k_changes": stats["k_changes"], "mode": stats["mode"], "compress": stats["compress"],
@@ -188,7 +188,7 @@ def _registration(stats: dict) -> dict:
     return {"registrations": registration.get("registrations"), "report_s": registration.get("report_s")}
 
 
-def _end_agents(run: str) -> None:
+def end_agents(run: str) -> None:
     """The next CheckFreq of this run starts with empty agents and a fresh policy actor: a
     slot left by this variant would otherwise be restored by the next one, and the k this
     variant's policy learned would be kept. The agents' processes stay (their start-up is

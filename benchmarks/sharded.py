@@ -31,7 +31,11 @@ STALL_TARGET = 5.0  # ours' stall at least this many times below async_save's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (processes)")
+    parser.add_argument("--ray", action="store_true",
+                        help="one TorchTrainer run on simulated one-CPU nodes instead: ours with and without peer "
+                             "copies, then restores from the own slot, a peer copy and storage")
+    parser.add_argument("--workers", type=int, default=2, help="--ray: Ray Train workers, one per simulated node")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (processes; without --ray)")
     parser.add_argument("--state-mb", type=float, default=64, help="params + Adam moments in all, MiB (float32)")
     parser.add_argument("--width", type=int, default=1024, help="width of each Linear layer")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per iteration")
@@ -42,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from benchmarks import sharded_ray
+
+        return sharded_ray.run(args)
     started = time.perf_counter()
     settings = job.Settings(ranks=args.ranks, state_mb=args.state_mb, width=args.width, batch=args.batch,
                             iterations=args.iterations, every=args.every, rounds=args.rounds)
@@ -93,7 +101,7 @@ def save_figures(saves: list[list[dict]], settings: Settings) -> dict:
         by_variant[name] = {"wall_s": walls, "checkpoints": checkpoints,
                             "stall_s_per_checkpoint": {"rank0": stall_by_rank[0], "slowest": max(stall_by_rank),
                                                        "by_rank": stall_by_rank},
-                            **_rss(runs)}
+                            **rss_figures(runs)}
         if name == "ours":
             steps = [s for r in range(ranks) for e in runs[r] for s in e["off_checkpoint_step_s"]]
             by_variant[name]["step_s_off_checkpoint_median"] = statistics.median(steps) if steps else 0.0
@@ -117,11 +125,11 @@ def restore_figures(restores: dict[int, list[list[dict]]], settings: Settings) -
         runs = [[entry for entry in rank_runs if entry["variant"] == name] for rank_runs in restores[world]]
         seconds = [max(runs[r][n]["seconds"] for r in range(world)) for n in range(settings.rounds)]
         found[label] = {"seconds": seconds, "median_s": statistics.median(seconds),
-                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)], **_rss(runs)}
+                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)], **rss_figures(runs)}
     return found
 
 
-def _rss(runs: list[list[dict]]) -> dict:
+def rss_figures(runs: list[list[dict]]) -> dict:
     """Per rank: the highest peak RSS over rounds, and the largest rise above the RSS at the reset."""
     return {"peak_rss_bytes": [max(e["peak_rss_bytes"] for e in rank_runs) for rank_runs in runs],
             "rss_rise_bytes": [max(e["peak_rss_bytes"] - e["rss_at_start_bytes"] for e in rank_runs)
@@ -140,11 +148,11 @@ def targets(variants: dict) -> dict:
 
 
 # ------------------------------------------------------------------ the table
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     return f"{1000 * seconds:.1f} ms"
 
 
-def _mib(entry: dict) -> str:
+def mib_per_rank(entry: dict) -> str:
     return " / ".join(f"{peak / MiB:.0f} (+{rise / MiB:.0f})"
                       for peak, rise in zip(entry["peak_rss_bytes"], entry["rss_rise_bytes"]))
 
@@ -160,24 +168,24 @@ def table(figures: dict) -> str:
         stall = entry["stall_s_per_checkpoint"]
         below = f"{async_stall / stall['slowest']:.1f}x" if name != "baseline" and stall["slowest"] > 0 else "-"
         extra = statistics.median(entry["wall_s"]) / base_wall - 1
-        lines.append(f"| {name} | {_ms(stall['rank0'])} | {_ms(stall['slowest'])} | {below} | "
-                     f"{_ms(entry['slowdown_s_per_checkpoint'])} | {100 * extra:+.1f} % | "
-                     f"{'/'.join(str(c) for c in entry['checkpoints'])} | {_mib(entry)} |")
+        lines.append(f"| {name} | {ms(stall['rank0'])} | {ms(stall['slowest'])} | {below} | "
+                     f"{ms(entry['slowdown_s_per_checkpoint'])} | {100 * extra:+.1f} % | "
+                     f"{'/'.join(str(c) for c in entry['checkpoints'])} | {mib_per_rank(entry)} |")
     lines += ["", "| restore | median (slowest rank) | rounds | iteration | peak RSS per rank, MiB (rise) |",
               "|---|---|---|---|---|"]
     for label, entry in restores.items():
-        rounds = ", ".join(_ms(s) for s in entry["seconds"])
-        lines.append(f"| {label} | {_ms(entry['median_s'])} | {rounds} | {entry['iteration'][0]} | "
-                     f"{_mib(entry)} |")
+        rounds = ", ".join(ms(s) for s in entry["seconds"])
+        lines.append(f"| {label} | {ms(entry['median_s'])} | {rounds} | {entry['iteration'][0]} | "
+                     f"{mib_per_rank(entry)} |")
     ours = variants["ours"]
-    lines += ["", f"ours: cf.step() on an iteration without a checkpoint {_ms(ours['step_s_off_checkpoint_median'])} "
+    lines += ["", f"ours: cf.step() on an iteration without a checkpoint {ms(ours['step_s_off_checkpoint_median'])} "
               f"(median; the decision exchange, counted in its stall); the engine's own stall count "
-              f"{_ms(ours['engine_stall_s_per_checkpoint'])} per checkpoint"]
+              f"{ms(ours['engine_stall_s_per_checkpoint'])} per checkpoint"]
     lines += [f"baseline wall per round: {', '.join(f'{w:.2f} s' for w in variants['baseline']['wall_s'])}",
               f"target: stall at least {STALL_TARGET:.0f}x below async_save (slowest rank): "
               f"{aims['stall_below_async_x']:.1f}x, {'met' if aims['stall_met'] else 'not met'}",
-              f"target: slowdown per checkpoint no worse than async_save's: {_ms(aims['slowdown_ours_s'])} vs "
-              f"{_ms(aims['slowdown_async_s'])}, {'met' if aims['slowdown_met'] else 'not met'}",
+              f"target: slowdown per checkpoint no worse than async_save's: {ms(aims['slowdown_ours_s'])} vs "
+              f"{ms(aims['slowdown_async_s'])}, {'met' if aims['slowdown_met'] else 'not met'}",
               "not measured here: restore from the own slot and a peer copy (the Ray layer's; see bench restore)",
               f"whole run: {figures['wall_s']:.1f} s"]
     return "\n".join(lines)

@@ -1,14 +1,17 @@
-"""``ray-checkfreq bench sharded``: a smoke run (tiny FSDP2 state, one round) in a child process."""
+"""``ray-checkfreq bench sharded``: smoke runs (tiny FSDP2 state, one round) in a child process,
+on spawned gloo ranks and (``--ray``) in one TorchTrainer run on its own 2-node cluster."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from benchmarks import sharded_job
+from benchmarks import sharded_ray_job as ray_job
 from benchmarks.sharded import save_figures
 
 VARIANTS = {"baseline", "ours", "dcp async_save", "dcp save"}
@@ -40,6 +43,41 @@ def test_smoke_run_has_every_variant_figures_and_ours_committed(tmp_path):
         assert entry["iteration"] == [4] and entry["median_s"] > 0, label  # the newest checkpoint came back
     assert set(figures["targets"]) >= {"stall_met", "slowdown_met", "stall_below_async_x"}
     assert "target: stall at least 5x below async_save" in done.stdout
+    assert "whole run:" in done.stdout
+
+
+def test_ray_smoke_run_measures_both_ours_variants_and_every_restore_source(tmp_path):
+    out = tmp_path / "sharded-ray.json"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_checkfreq.cli", "bench", "sharded", "--ray", "--state-mb", "1", "--width", "64",
+         "--rounds", "1", "--iterations", "4", "--every", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env,  # about 30 s on a quiet machine
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    variants = figures["variants"]
+    assert set(variants) == set(ray_job.VARIANTS)
+    assert variants[ray_job.BASELINE]["checkpoints"] == [0]
+    for name in (ray_job.PEER, ray_job.NO_PEER):
+        entry = variants[name]
+        assert entry["checkpoints"] == [2], name  # iterations 2 and 4, both committed
+        assert entry["engine_stall_s_per_checkpoint"]["slowest"] > 0, name
+        assert entry["loop_stall_s_per_checkpoint"]["slowest"] > 0, name
+        assert isinstance(entry["slowdown_s_per_checkpoint"], float), name
+        assert len(entry["peak_rss_bytes"]) == 2 and min(entry["peak_rss_bytes"]) > 0, name
+        assert entry["peer_copies"]["failed"] == [0], name
+    assert variants[ray_job.PEER]["peer_copies"]["sent"][0] > 0
+    assert variants[ray_job.NO_PEER]["peer_copies"]["sent"] == [0]
+    restore = figures["restore"]
+    # One more checkpoint after the timed stretch (iteration 6), taken while no copy travelled:
+    # every source holds it, and every rank loaded that iteration from each.
+    assert restore["step"] == restore["expected_step"] == 6
+    assert set(restore["kinds"]) == set(ray_job.RESTORE_KINDS)
+    for kind, entry in restore["kinds"].items():
+        assert entry["iterations"] == [6] and entry["median_s"] > 0, kind
+    assert set(figures["targets"]) == {"peer_faster_than_storage_x", "peer_restore_met"}
+    assert "target: restore from a peer copy at least 3x faster than from storage" in done.stdout
     assert "whole run:" in done.stdout
 
 
