@@ -7,7 +7,9 @@ no checkpoints (the baseline), ours every k, ``dcp.async_save`` every k (waiting
 previous future first, as a user must) and ``dcp.save`` every k (what
 ``ray.train.report(checkpoint=...)`` of a DCP save costs). Then restores: ours at the saved
 world size, ours onto one rank (resharding, ranged reads), DCP's load at the saved world size.
-The ranks are in benchmarks/sharded_job.py.
+The ranks are in benchmarks/sharded_job.py. ``--ray`` runs benchmarks/sharded_ray.py instead:
+ours with and without peer copies in one ``TorchTrainer`` run, and restores from the own
+slot, a peer copy and storage.
 """
 
 from __future__ import annotations
@@ -186,6 +188,6 @@ def table(figures: dict) -> str:
               f"{aims['stall_below_async_x']:.1f}x, {'met' if aims['stall_met'] else 'not met'}",
               f"target: slowdown per checkpoint no worse than async_save's: {ms(aims['slowdown_ours_s'])} vs "
               f"{ms(aims['slowdown_async_s'])}, {'met' if aims['slowdown_met'] else 'not met'}",
-              "not measured here: restore from the own slot and a peer copy (the Ray layer's; see bench restore)",
+              "not measured here: restore from the own slot and a peer copy (the Ray layer's; see bench sharded --ray)",
               f"whole run: {figures['wall_s']:.1f} s"]
     return "\n".join(lines)
