@@ -158,7 +158,7 @@ def test_the_agent_keeps_the_two_newest_peer_copies_per_rank_and_replaces_a_step
     agent.keep_peer_copy(info(1, 30, gen=2), np.full(4, 31, dtype=np.uint8))
     assert sorted((h["owner"], h["step"], h["generation"]) for h in agent.peer_headers()) == \
         [(0, 10, 1), (1, 20, 1), (1, 30, 2)]
-    assert agent.read_peer(1, 30, 2).tolist() == [31] * 4
+    assert agent.read_peer(1, 30, 2)[0].tolist() == [31] * 4
     with pytest.raises(slots.SlotError, match="step 10"):
         agent.read_peer(1, 10, 1)
     with pytest.raises(slots.SlotError, match="step 30 .generation 1"):
@@ -169,7 +169,28 @@ def test_a_peer_copy_is_private_to_the_agent(agent):
     packed = np.arange(8, dtype=np.uint8)
     agent.keep_peer_copy(info(1, 20), packed)
     packed[:] = 0
-    assert agent.read_peer(1, 20, 1).tolist() == list(range(8))
+    assert agent.read_peer(1, 20, 1)[0].tolist() == list(range(8))
+
+
+def test_a_peer_copy_is_checked_against_its_ranks_checksums_where_it_is_restored(agent):
+    from ray_checkfreq.ray.shard_copies import verified
+    from ray_checkfreq.ray.transfer import pack_state, unpack_state
+    from ray_checkfreq.storage.arrays import leaf_bytes
+    from ray_checkfreq.storage.checksum import crc32
+
+    weights = torch.arange(64, dtype=torch.float64)
+    crcs = [crc32(leaf_bytes(weights)), None]
+    agent.keep_peer_copy({**info(1, 20), "leaf_crc32": crcs}, pack_state({"w": weights, "step": torch.tensor(3)}))
+    assert "leaf_crc32" not in agent.peer_headers()[0]
+    packed, sent = agent.read_peer(1, 20, 1)
+    assert sent == crcs
+    assert torch.equal(verified(unpack_state(packed), sent, "copy")["w"], weights)
+    damaged = packed.copy()
+    damaged[-200] ^= 1  # a byte of the weights (the last leaf holds 8 bytes, padded to 64)
+    with pytest.raises(slots.SlotError, match="copy: data crc32 mismatch in leaf #0"):
+        verified(unpack_state(damaged), sent, "copy")
+    with pytest.raises(slots.SlotError, match="1 checksums for 2 leaves"):
+        verified(unpack_state(packed), sent[:1], "copy")
 
 
 def test_each_rank_and_the_replica_get_slot_files_of_their_own(agent):

@@ -112,7 +112,7 @@ class PersistThread(ABC):
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        _lower_priority(self._nice)
+        lower_thread_priority(self._nice)
         while True:
             with self._cond:
                 while self._job is None and not self._closed:
@@ -173,7 +173,7 @@ class PersistWorker(PersistThread):
                      uri=ref.uri)
 
 
-def _lower_priority(nice: int) -> None:
+def lower_thread_priority(nice: int) -> None:
     """Raise this thread's nice value by ``nice`` (Linux: per thread); best effort."""
     if nice <= 0 or not hasattr(os, "setpriority"):
         return

@@ -23,12 +23,14 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
+from ray_checkfreq.engine.persist import PERSIST_NICE, lower_thread_priority
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.names import NAMESPACE, SLOT_PREFIX, agent_name, agent_prefix
 from ray_checkfreq.storage import CheckpointStore
@@ -63,6 +65,10 @@ class NodeAgent:
         self._worlds: dict[int, int] = {}  # owner rank -> the world size it allocated for
         self._peers: dict[int, list[PeerCopy]] = {}  # owner rank -> its peer copies here, oldest first
         self._replicating: set[int] = set()  # owner ranks whose slot is on its way to a peer
+        # Low-priority threads for peer copies: one sends, one receives (one for both would
+        # deadlock two agents that send to each other at once).
+        self._copier = _low_priority_thread("rcf-peer-send")
+        self._receiver = _low_priority_thread("rcf-peer-receive")
         self._retired: dict[str, slots.MappedSlot] = {}  # outgrown; removed when no persist runs
         self._layout_version = 0
         self._stores: dict[tuple[str, int], CheckpointStore] = {}
@@ -128,50 +134,58 @@ class NodeAgent:
         """Send the sealed slot ``path`` (still holding ``seq``) of rank ``owner`` to the agent
         ``peer`` on another node; returns what was sent, or ``{"skipped": ...}`` while the
         previous copy of that rank is still on its way (one in flight per rank)."""
-        from ray_checkfreq.ray.transfer import pack_state
-
         with self._lock:
             if owner in self._replicating:
                 return {"skipped": "a copy of this rank is still on its way"}
             self._replicating.add(owner)
         try:
             start = time.perf_counter()
-            slot = self._slot(path)
-            header, state = slot.read()
-            if header.seq != seq:
-                return {"skipped": f"the slot holds snapshot #{header.seq}, not #{seq}"}
-            packed = pack_state(state)
-            del state
-            if slot.header() != header:  # its rank began the next snapshot in it while it was packed
-                return {"skipped": f"the slot was rewritten while snapshot #{seq} was packed"}
-            info = {"run": header.run, "owner": owner, "world_size": self._worlds.get(owner), "step": header.step,
-                    "generation": header.generation, "seq": header.seq, "data_crc32": header.data_crc32,
-                    "from_node": self.node_id}
-            ray.get(peer.keep_peer_copy.remote(info, packed), timeout=REPLICATE_TIMEOUT_S)
-            return {**info, "bytes": int(packed.nbytes), "seconds": time.perf_counter() - start}
+            # In the agent's one low-priority copier thread: training keeps the cores first.
+            return self._copier.submit(self._send_copy, path, seq, owner, peer, start).result()
         finally:
             with self._lock:
                 self._replicating.discard(owner)
 
+    def _send_copy(self, path: str, seq: int, owner: int, peer: Any, start: float) -> dict:
+        """``replicate``'s work: the rank's checksums travel with the bytes (checked by the
+        rank that restores from the copy), so the slot is not read twice here."""
+        from ray_checkfreq.ray.transfer import pack_state
+
+        slot = self._slot(path)
+        header, state, leaf_crcs = slot.read_with_checksums(verify_data=False)
+        if header.seq != seq:
+            return {"skipped": f"the slot holds snapshot #{header.seq}, not #{seq}"}
+        packed = pack_state(state)
+        del state
+        if slot.header() != header:  # its rank began the next snapshot in it while it was packed
+            return {"skipped": f"the slot was rewritten while snapshot #{seq} was packed"}
+        info = {"run": header.run, "owner": owner, "world_size": self._worlds.get(owner), "step": header.step,
+                "generation": header.generation, "seq": header.seq, "data_crc32": header.data_crc32,
+                "from_node": self.node_id}
+        ray.get(peer.keep_peer_copy.remote({**info, "leaf_crc32": leaf_crcs}, packed), timeout=REPLICATE_TIMEOUT_S)
+        return {**info, "bytes": int(packed.nbytes), "seconds": time.perf_counter() - start}
+
     def keep_peer_copy(self, info: dict, packed: np.ndarray) -> None:
         """Keep a copy of another node's rank's slot (a private copy: the sender may die)."""
-        kept = PeerCopy(info=dict(info), packed=np.array(packed, copy=True))
+        kept = PeerCopy(info=dict(info), packed=self._receiver.submit(np.array, packed, copy=True).result())
         owner = int(info["owner"])
         with self._lock:
             copies = [c for c in self._peers.get(owner, []) if c.info["step"] != kept.info["step"]]
             self._peers[owner] = [*copies, kept][-PEER_COPIES_KEPT:]
 
     def peer_headers(self) -> list[dict]:
-        """What each peer copy here is of (no bytes)."""
+        """What each peer copy here is of (no bytes, no checksums)."""
         with self._lock:
-            return [dict(copy.info) for copies in self._peers.values() for copy in copies]
+            return [{k: v for k, v in copy.info.items() if k != "leaf_crc32"}
+                    for copies in self._peers.values() for copy in copies]
 
-    def read_peer(self, owner: int, step: int, generation: int) -> np.ndarray:
-        """The packed peer copy of rank ``owner``'s snapshot of ``step`` (``generation``)."""
+    def read_peer(self, owner: int, step: int, generation: int) -> tuple[np.ndarray, list]:
+        """The packed peer copy of rank ``owner``'s snapshot of ``step`` (``generation``) and
+        its leaves' crc32 as the rank computed them (``flatten_state`` order, None: no data leaf)."""
         with self._lock:
             for copy in self._peers.get(owner, []):
                 if (copy.info["step"], copy.info["generation"]) == (step, generation):
-                    return copy.packed
+                    return copy.packed, list(copy.info.get("leaf_crc32", []))
         raise slots.SlotError(f"<peer copy of rank {owner}>", f"the agent on node {self.node_id[:12]} holds no copy "
                                                                f"of step {step} (generation {generation})")
 
@@ -296,6 +310,11 @@ class NodeAgent:
             os.unlink(slot.path)
         except FileNotFoundError:
             pass
+
+
+def _low_priority_thread(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=lower_thread_priority,
+                              initargs=(PERSIST_NICE,))
 
 
 def agent_actor() -> Any:

@@ -28,7 +28,11 @@ from ray_checkfreq.engine.sharded_restore import SHARDING_KEY, sharding_record
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
+from ray_checkfreq.ray.slots import SlotError
 from ray_checkfreq.ray.transfer import unpack_state
+from ray_checkfreq.storage.arrays import leaf_bytes
+from ray_checkfreq.storage.checksum import crc32
+from ray_checkfreq.storage.tree import flatten_state
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -135,12 +139,26 @@ def read_rank_source(source: RankSource, *, run: str, node_id: str) -> dict:
     holder = agents.live_agents(run).get(source.node_id)
     if holder is None:
         raise slots.SlotError(where, "its node agent is gone")
-    request = (holder.read_packed.remote(source.path, source.seq) if source.kind == "slot"
-               else holder.read_peer.remote(source.owner, source.step, source.generation))
     try:
-        return unpack_state(ray.get(request, timeout=READ_TIMEOUT_S))
+        if source.kind == "slot":
+            return unpack_state(ray.get(holder.read_packed.remote(source.path, source.seq), timeout=READ_TIMEOUT_S))
+        packed, leaf_crcs = ray.get(holder.read_peer.remote(source.owner, source.step, source.generation),
+                                    timeout=READ_TIMEOUT_S)
     except ray.exceptions.RayError as err:
         raise slots.SlotError(where, f"its node agent could not send it: {err}") from err
+    return verified(unpack_state(packed), leaf_crcs, where)
+
+
+def verified(state: Any, leaf_crcs: Sequence[int | None], where: str) -> Any:
+    """``state`` if its leaves match the checksums its rank computed at the seal
+    (``flatten_state`` order; None: a leaf the slot's meta region checked); SlotError otherwise."""
+    leaves = flatten_state(state).leaves
+    if len(leaf_crcs) != len(leaves):
+        raise SlotError(where, f"{len(leaf_crcs)} checksums for {len(leaves)} leaves")
+    for index, (leaf, expected) in enumerate(zip(leaves, leaf_crcs)):
+        if expected is not None and crc32(leaf_bytes(leaf)) != expected:
+            raise SlotError(where, f"data crc32 mismatch in leaf #{index}: the copy is corrupt")
+    return state
 
 
 class ShardSealer:
