@@ -13,6 +13,8 @@ disagree, it takes the largest of each figure: the larger, conservative k. Where
 majority agrees but the others cost more, the median can still hide what profiling's own
 checkpoints measurably cost: where their mean cost would put the k chosen from the median
 above p, k is chosen from the mean instead (``conservative`` in ``stats()["profiling"]``).
+Either conservative figure is at most ``CONSERVATIVE_MAX_FACTOR`` x its median
+(``bounded``): the adaptive rate raises k further within a window where the load stays.
 
 So profiling takes, per codec it measures, 1 cold + 3 to 5 warm checkpoints (4 to 6);
 a second codec (compression, only where it could pay) doubles that.
@@ -66,6 +68,12 @@ WARM_SAMPLES = 3
 MAX_WARM_SAMPLES = 5
 DISAGREE_RATIO = 2.0  # a sample agrees with the median within this factor ...
 DISAGREE_ITERS = 0.5  # ... or within this many iterations
+# A conservative figure (the largest sample, or the mean cost) is at most this many times
+# the median's (or half an iteration, if more): one sample that caught a neighbour's burst
+# otherwise set k hundreds of iterations high, where no adaptation window closes within a
+# run (bench overhead --noisy: k 407 for 900 iterations, p asked 1805). Where the load
+# stays, the adaptive rate's proportional raise (up to 3x after one window) goes further.
+CONSERVATIVE_MAX_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class ProfilingWindow:
     checkpoints: list[int] = field(default_factory=list)  # iterations of the checkpoints profiling asked for
     disagreed: dict[str, bool] = field(default_factory=dict)  # per codec: its warm samples still disagreed
     conservative: dict[str, bool] = field(default_factory=dict)  # per codec: k from the mean cost, not the median
+    bounded: dict[str, bool] = field(default_factory=dict)  # per codec: a conservative figure was cut (4x median)
 
     def __post_init__(self) -> None:
         self.quiet_iters = max(self.quiet_iters, WARMUP_ITERS + MIN_TI_SAMPLES)
@@ -185,7 +194,10 @@ class ProfilingWindow:
             return None
         self.codec, self.busy = None, None
         self.disagreed[codec] = disagree
-        self.measured[codec] = _upper_measurement(samples) if disagree else _median_measurement(samples)
+        if disagree:
+            self.measured[codec], self.bounded[codec] = _upper_measurement(samples, iter_s=self.iter_s())
+        else:
+            self.measured[codec] = _median_measurement(samples)
         return self.measured[codec]
 
     def summary(self) -> dict:
@@ -193,7 +205,7 @@ class ProfilingWindow:
         return {"quiet_s": [round(t, 6) for t in self.quiet],
                 "samples": {codec: [asdict(sample) for sample in samples] for codec, samples in self.samples.items()},
                 "checkpoints": list(self.checkpoints), "disagreed": dict(self.disagreed),
-                "conservative": dict(self.conservative),
+                "conservative": dict(self.conservative), "bounded": dict(self.bounded),
                 "mean_cost_s": {codec: round(self.mean_cost_s(codec), 6) for codec in self.samples}}
 
     def iter_s(self) -> float:
@@ -214,11 +226,14 @@ class ProfilingWindow:
         checkpoints cost on average would put the chosen k above p."""
         profile = self.profile(measured, gpu)
         decision = choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
-        spent = self.mean_cost_s(measured.codec)
+        mean = self.mean_cost_s(measured.codec)
+        median = statistics.median(sample.interference_s for sample in self.samples.get(measured.codec, [measured]))
+        spent = min(mean, conservative_bound(median, iter_s=profile.iter_s))
         heavier = replace(profile, interference_s=max(spent, profile.interference_s))
         self.conservative[measured.codec] = interval_overhead(heavier, decision.overhead_s, decision.k) > overhead
         if not self.conservative[measured.codec]:
             return profile, decision
+        self.bounded[measured.codec] = self.bounded.get(measured.codec, False) or spent < mean
         return heavier, choose_interval(heavier, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
 
     def mean_cost_s(self, codec: str) -> float:
@@ -241,15 +256,30 @@ def samples_disagree(samples: list[Measured], *, iter_s: float) -> bool:
     return False
 
 
-def _upper_measurement(samples: list[Measured]) -> Measured:
-    """The largest of each figure: the conservative k when the samples disagree."""
-    def largest(name: str) -> float:
-        return max(getattr(sample, name) for sample in samples)
+def conservative_bound(median: float, *, iter_s: float) -> float:
+    """The most a conservative figure may be: ``CONSERVATIVE_MAX_FACTOR`` x the median's,
+    or x half an iteration where the median is smaller."""
+    return CONSERVATIVE_MAX_FACTOR * max(median, DISAGREE_ITERS * iter_s)
 
-    return Measured(codec=samples[0].codec, copy_s=largest("copy_s"), persist_s=largest("persist_s"),
-                    size_bytes=samples[-1].size_bytes, interference_s=largest("interference_s"),
-                    busy_iters=round(largest("busy_iters")), busy_s=largest("busy_s"),
-                    reference_s=statistics.median(sample.reference_s for sample in samples))
+
+def _upper_measurement(samples: list[Measured], *, iter_s: float) -> tuple[Measured, bool]:
+    """The largest of each figure, each at most ``conservative_bound`` of its median: the
+    conservative k when the samples disagree; True where a bound cut one."""
+    cut = False
+
+    def largest(name: str) -> float:
+        nonlocal cut
+        values = [getattr(sample, name) for sample in samples]
+        bound = conservative_bound(statistics.median(values), iter_s=iter_s)
+        cut = cut or max(values) > bound
+        return min(max(values), bound)
+
+    measured = Measured(codec=samples[0].codec, copy_s=largest("copy_s"), persist_s=largest("persist_s"),
+                        size_bytes=samples[-1].size_bytes, interference_s=largest("interference_s"),
+                        busy_iters=round(max(sample.busy_iters for sample in samples)),
+                        busy_s=max(sample.busy_s for sample in samples),
+                        reference_s=statistics.median(sample.reference_s for sample in samples))
+    return measured, cut
 
 
 def _median_measurement(samples: list[Measured]) -> Measured:
