@@ -257,7 +257,7 @@ class Sealing:
     def seal(self, step: int) -> None:
         state = begin(self.slot, step=step, rank=1)
         places = {("model", "w"): ChunkPlace(name="model.w", global_shape=(8,), offsets=(4,), owner=True)}
-        self.sealer(Snapshot(step=step, state=state, epoch_boundary=False, copies=CopyHandle(), size_bytes=16,
+        self.sealer(Snapshot(step=step, state=state, epoch_boundary=True, copies=CopyHandle(), size_bytes=16,
                              memory=self.slot, places=places))
 
 
@@ -273,7 +273,8 @@ def test_a_seal_while_a_copy_travels_is_skipped_and_the_sealed_slot_carries_its_
     assert rank.sent[1] == (rank.slot.path, 3, 1, "peer-agent")
     header, state = rank.slot.read(copy=True)
     assert (header.step, header.state, state["model"]["w"].tolist()) == (14, slots.SLOT_COMPLETE, [1.5] * 4)
-    assert state[SHARDING_KEY] == {"rank": 1, "world_size": 2, "offsets": {"model.w": [4]}}
+    assert state[SHARDING_KEY] == {"rank": 1, "world_size": 2, "epoch_boundary": True,
+                                  "offsets": {"model.w": [4]}}
 
 
 def test_a_failed_copy_is_counted_and_the_next_send_looks_the_peer_up_again(sealing):

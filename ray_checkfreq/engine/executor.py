@@ -181,7 +181,8 @@ class Executor:
         places = {chunk.path: ChunkPlace.of(chunk) for chunk in mode.adapter.restore_targets()}
         size = sum(leaf.numel() * leaf.element_size() for _, _, leaf in leaves_of(body)
                    if isinstance(leaf, torch.Tensor))
-        snapshot = Snapshot(step=int(body["checkfreq"]["iteration"]), state=body, epoch_boundary=False,
+        epoch_boundary = bool(state.get(SHARDING_KEY, {}).get("epoch_boundary", False))
+        snapshot = Snapshot(step=int(body["checkfreq"]["iteration"]), state=body, epoch_boundary=epoch_boundary,
                             copies=CopyHandle.finished(), size_bytes=size, places=places)
         self.persist.wait_idle()
         self.persist.submit(snapshot)

@@ -146,11 +146,13 @@ SHARDING_KEY = "sharding"
 """The key of the sharding record in a rank's snapshot as its RAM copy holds it."""
 
 
-def sharding_record(places: Mapping[Any, ChunkPlace], *, rank: int, world_size: int) -> dict[str, Any]:
+def sharding_record(places: Mapping[Any, ChunkPlace], *, rank: int, world_size: int,
+                    epoch_boundary: bool = False) -> dict[str, Any]:
     """What a RAM copy of a rank's snapshot carries beside its state, so that a restore can
     tell whether its pieces are this rank's pieces now: the saving rank, its world size and
-    each model/optimizer tensor's offsets in its global tensor."""
-    return {"rank": rank, "world_size": world_size,
+    each model/optimizer tensor's offsets in its global tensor; and whether the snapshot
+    ends an epoch (so that writing it again keeps what retention needs)."""
+    return {"rank": rank, "world_size": world_size, "epoch_boundary": epoch_boundary,
             "offsets": {place.name: list(place.offsets) for place in places.values()}}
 
 

@@ -181,7 +181,8 @@ class ShardSealer:
         slot = snapshot.memory
         if not isinstance(slot, slots.MappedSlot) or snapshot.places is None:
             return
-        record = sharding_record(snapshot.places, rank=self.rank, world_size=self.world_size)
+        record = sharding_record(snapshot.places, rank=self.rank, world_size=self.world_size,
+                                 epoch_boundary=snapshot.epoch_boundary)
         header = slot.finish_write({**snapshot.state, SHARDING_KEY: record})
         with self._lock:
             self._send(slot.path, header.seq)
