@@ -6,7 +6,7 @@ tested in tests/test_ray_sharded.py). Each round trains the same iterations four
 no checkpoints (the baseline), ours every k, ``dcp.async_save`` every k (waiting for the
 previous future first, as a user must) and ``dcp.save`` every k (what
 ``ray.train.report(checkpoint=...)`` of a DCP save costs). Then restores: ours at the saved
-world size, ours onto one rank (resharding, ranged reads), DCP's load at the saved world size.
+world size, ours onto one rank fewer (resharding, ranged reads: 2 -> 1, 4 -> 3), DCP's load at the saved world size.
 The ranks are in benchmarks/sharded_job.py. ``--ray`` runs benchmarks/sharded_ray.py instead:
 ours with and without peer copies in one ``TorchTrainer`` run, and restores from the own
 slot, a peer copy and storage.
@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
         job.write_settings(root, settings)
         job.spawn(job.save_job, settings.ranks, root)
         job.spawn(job.restore_job, settings.ranks, root)
-        job.spawn(job.restore_job, 1, root)
+        job.spawn(job.restore_job, settings.ranks - 1, root)
         saves = json.loads((root / "results-save.json").read_text())
         restores = {world: json.loads((root / f"results-restore-{world}.json").read_text())
-                    for world in (settings.ranks, 1)}
+                    for world in (settings.ranks, settings.ranks - 1)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     described = {**asdict(settings), "layers": settings.layers, "state_bytes": settings.state_bytes}
@@ -119,8 +119,9 @@ def save_figures(saves: list[list[dict]], settings: Settings) -> dict:
 
 
 def restore_figures(restores: dict[int, list[list[dict]]], settings: Settings) -> dict:
+    fewer = settings.ranks - 1
     labels = {(settings.ranks, "ours"): f"ours, storage, {settings.ranks} ranks",
-              (1, "ours"): f"ours, storage, {settings.ranks} -> 1 rank (resharding)",
+              (fewer, "ours"): f"ours, storage, {settings.ranks} -> {fewer} rank{'s' * (fewer > 1)} (resharding)",
               (settings.ranks, "dcp load"): f"dcp.load, {settings.ranks} ranks"}
     found: dict[str, dict] = {}
     for (world, name), label in labels.items():

@@ -42,7 +42,7 @@ class Settings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name}: a positive integer, got {value!r}")
         if self.ranks < 2:
-            raise ValueError(f"--ranks: at least 2 (the restores reshard onto one rank), got {self.ranks}")
+            raise ValueError(f"--ranks: at least 2 (the restores reshard onto one rank fewer), got {self.ranks}")
         if not self.state_mb > 0:
             raise ValueError(f"--state-mb: a positive size in MiB, got {self.state_mb!r}")
         if self.every > self.iterations:

@@ -16,8 +16,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
-from ray_checkfreq.errors import StorageError
+from ray_checkfreq.errors import FencedWriterError, StorageError
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.names import MAX_GENERATION, marker_name, parse_marker
 
@@ -63,3 +64,18 @@ def _marker_body(generation: int) -> bytes:
         "created_unix_ns": time.time_ns(),
         "nonce": uuid.uuid4().hex,
     }).encode("utf-8")
+
+
+def raise_if_fenced(err: BaseException, check_fence: Callable[[], None]) -> None:
+    """Raise the ``FencedWriterError`` a failed save or commit really was: a newer generation
+    took over (its housekeeping removed this writer's files while it wrote, say). Returns
+    when the writer is not fenced, or the fence cannot be read: the original error is the
+    one to report then."""
+    if isinstance(err, FencedWriterError) or not isinstance(err, Exception):
+        return
+    try:
+        check_fence()
+    except FencedWriterError as fenced:
+        raise fenced from err
+    except Exception:
+        return

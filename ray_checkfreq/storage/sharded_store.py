@@ -283,8 +283,9 @@ class ShardedStore:
                 if not self.backend.create_exclusive(path, encode_part(part)):
                     raise StorageError(self.backend.uri(path), "a part for these ranks is there already: two "
                                        "writers of one generation claim the same ranks?")
-            except BaseException:
+            except BaseException as err:
                 self._delete_files(name, written)
+                fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
                 raise
             self._own[step] = (part.name, written)
         return part
@@ -358,7 +359,15 @@ class ShardedStore:
             except FencedWriterError:
                 self._withdraw(step, name)
                 raise
-            result = self._commit_dir(name, step, generation, fence=generation)
+            try:
+                result = self._commit_dir(name, step, generation, fence=generation)
+            except Exception as err:  # a newer generation's housekeeping removed files under it?
+                try:
+                    fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
+                except FencedWriterError:
+                    self._withdraw(step, name)
+                    raise
+                raise
             if result.by_me:
                 self._housekeeping(name, step, generation)
         return result

@@ -329,14 +329,8 @@ class CheckpointStore:
 
     def _raise_if_fenced(self, err: BaseException) -> None:
         """A save that failed because a newer writer took over says so."""
-        if isinstance(err, FencedWriterError) or not isinstance(err, Exception) or self._generation is None:
-            return
-        try:
-            self._check_fence()
-        except FencedWriterError as fenced:
-            raise fenced from err
-        except Exception:  # the original failure is the one to report
-            return
+        if self._generation is not None:
+            fencing.raise_if_fenced(err, self._check_fence)
 
     def _usable_base(self, options: EncodeOptions) -> _DeltaBase | None:
         base = self._base
