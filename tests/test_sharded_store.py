@@ -344,6 +344,30 @@ def test_a_corrupt_or_hostile_global_manifest_is_refused_by_name_and_latest_fall
     assert_loads(store, 1, full_state(1), 2)
 
 
+def test_a_manifest_is_decoded_once_per_store_until_its_bytes_change(tmp_path, monkeypatch):
+    """A restore lists the store several times (salvage, latest, the load); decoding a large
+    manifest costs ~0.1 s, so each is decoded once, and again only when its bytes changed."""
+    import ray_checkfreq.storage.sharded_store as sharded_store
+
+    store = committed(tmp_path, steps=(1, 2))
+    decoded: list[int] = []
+
+    def counting(data: bytes):
+        manifest = decode_global(data)
+        decoded.append(manifest.step)
+        return manifest
+
+    monkeypatch.setattr(sharded_store, "decode_global", counting)
+    reader = ShardedStore(str(tmp_path))
+    assert [ref.step for ref in reader.list()] == [1, 2] and sorted(decoded) == [1, 2]
+    assert reader.latest().step == 2 and reader.manifest(2).step == 2
+    assert_loads(reader, 2, full_state(2), WORLD)
+    assert sorted(decoded) == [1, 2]
+    rewrite_signed(tmp_path / store.dir_name(2) / GLOBAL_MANIFEST_NAME,
+                   lambda body: body.__setitem__("created_unix_ns", body["created_unix_ns"] + 1))
+    assert reader.latest().step == 2 and sorted(decoded) == [1, 2, 2]
+
+
 def test_a_flipped_data_byte_is_caught_by_its_block_checksum(tmp_path):
     store = ShardedStore(str(tmp_path), crc_block_bytes=4096)
     store.acquire_writer()
