@@ -89,6 +89,21 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return {name: leaf.numpy().copy() for _, name, leaf in leaves_of(state)}
 
 
+def gather_json(path: Path, rank: int, world: int, item: Any) -> None:
+    """All-gather ``item`` from every rank; rank 0 writes the list to ``path`` as JSON."""
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, item)
+    if rank == 0:
+        path.write_text(json.dumps(gathered))
+
+
+def save_full(path: Path, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    """The full state with the scheduler's position, written by rank 0 (a collective)."""
+    state = full_state(model, opt)
+    if rank == 0:
+        save_arrays(path, {**state, "sched/last_epoch": np.array(sched.last_epoch)})
+
+
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     np.savez(path, **{name.replace("/", "|"): value for name, value in arrays.items()})
 

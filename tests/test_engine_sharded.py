@@ -104,19 +104,6 @@ def _gather_rng(path: Path, rank: int, world: int) -> None:
         path.write_text(json.dumps(gathered))
 
 
-def _gather_json(path: Path, rank: int, world: int, item: Any) -> None:
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, item)
-    if rank == 0:
-        path.write_text(json.dumps(gathered))
-
-
-def _save_full(path: Path, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
-    state = jobs.full_state(model, opt)  # a collective
-    if rank == 0:
-        jobs.save_arrays(path, {**state, "sched/last_epoch": np.array(sched.last_epoch)})
-
-
 class _SkipStep:
     """A persister that drops one step's snapshot: that rank never writes its part."""
 
@@ -164,11 +151,11 @@ def _run(rank: int, world: int, root: Path, store_dir: str, *, kill_at: int | No
             os.kill(os.getpid(), signal.SIGKILL)  # its checkpoint is in the persist thread now
         if kill_at is None and cf.iteration in RECORDED:
             _gather_rng(root / f"rng-{cf.iteration}.json", rank, world)
-            _save_full(root / f"state-{cf.iteration}.npz", rank, model, opt, sched)
-    _save_full(root / "state-final.npz", rank, model, opt, sched)
+            jobs.save_full(root / f"state-{cf.iteration}.npz", rank, model, opt, sched)
+    jobs.save_full(root / "state-final.npz", rank, model, opt, sched)
     cf.close()
     decisions.close()
-    _gather_json(root / "train-stats.json", rank, world, {"committed": cf.stats()["checkpoints_committed"],
+    jobs.gather_json(root / "train-stats.json", rank, world, {"committed": cf.stats()["checkpoints_committed"],
                                                          "persisted": persisted})
     if rank == 0:
         (root / "train-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
@@ -200,14 +187,14 @@ def resume_job(rank: int, world: int, root: Path) -> None:
     for it in range(start, TOTAL):
         _iteration(model, opt, sched, it, rank, world)
         cf.step()
-    _save_full(root / "state-resumed.npz", rank, model, opt, sched)
+    jobs.save_full(root / "state-resumed.npz", rank, model, opt, sched)
     try:
         cf.close()  # rank 0: waits for step SKIPPED, which never commits
         error = None
     except PersistError as err:
         error = str(err)
     decisions.close()
-    _gather_json(root / "resume.json", rank, world, {"step": step, "start": start, "end": cf.iteration,
+    jobs.gather_json(root / "resume.json", rank, world, {"step": step, "start": start, "end": cf.iteration,
                                                      "error": error})
     dist.barrier()
     if rank == 0:
@@ -243,8 +230,8 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
         start = cf.load_sharded(step)
         decisions.close()
     _gather_rng(root / f"rng-w{world}.json", rank, world)
-    _save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
-    _gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused})
+    jobs.save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
+    jobs.gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused})
     cf.close()
 
 

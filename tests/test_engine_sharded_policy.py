@@ -115,19 +115,6 @@ def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, stor
     return cf, decisions
 
 
-def _gather_json(path: Path, rank: int, world: int, item: Any) -> None:
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, item)
-    if rank == 0:
-        path.write_text(json.dumps(gathered))
-
-
-def _save_full(path: Path, rank: int, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
-    state = jobs.full_state(model, opt)  # a collective
-    if rank == 0:
-        jobs.save_arrays(path, {**state, "sched/last_epoch": np.array(sched.last_epoch)})
-
-
 def _steer(cf: CheckFreq) -> None:
     """Rank 0, once the policy decided: k + K_STEP after the first checkpoint at its k, then
     a stop one k after the second."""
@@ -158,13 +145,13 @@ def _train(rank: int, world: int, root: Path) -> None:
         cf.step()
         if rank == 0:
             _steer(cf)
-    _save_full(root / "state-final.npz", rank, model, opt, sched)
+    jobs.save_full(root / "state-final.npz", rank, model, opt, sched)
     cf.close()
     decisions.close()
     stats = cf.stats()
     kept = ("k", "k_changes", "k_history", "compress", "profiling", "checkpoints_by_cause", "checkpoints_committed")
     writes_begin = store.writes_begin if isinstance(store, SlowPartStore) else {}
-    _gather_json(root / "train.json", rank, world, {"iteration": cf.iteration, "stopped": cf.stop_requested,
+    jobs.gather_json(root / "train.json", rank, world, {"iteration": cf.iteration, "stopped": cf.stop_requested,
                                                    "persisted": persisted, "stats": {n: stats[n] for n in kept},
                                                    "writes_begin": {str(s): t for s, t in writes_begin.items()}})
 
@@ -176,10 +163,10 @@ def _restore(rank: int, world: int, root: Path) -> None:
     assert step is not None
     cf, decisions = _engine(model, opt, sched, store, rank)
     start = cf.load_sharded(step)
-    _save_full(root / "state-restored.npz", rank, model, opt, sched)
+    jobs.save_full(root / "state-restored.npz", rank, model, opt, sched)
     decisions.close()
     cf.close()
-    _gather_json(root / "restore.json", rank, world, {"latest": step, "start": start})
+    jobs.gather_json(root / "restore.json", rank, world, {"latest": step, "start": start})
 
 
 def policy_job(rank: int, world: int, root: Path) -> None:
