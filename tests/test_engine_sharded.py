@@ -220,7 +220,11 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
         except ValueError as err:
             refused.append(str(err))
     store = ShardedStore(str(root / "restore-copy"))
+    store_by_uri = None
     if world == 1:
+        by_uri = CheckFreq(model=model, optimizer=opt, storage=str(root / "by-uri"), every=EVERY)
+        store_by_uri = f"{type(by_uri.store).__name__} {by_uri.store.config.codec}"
+        by_uri.close()
         cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, every=EVERY)
         start = cf.restore()
     else:
@@ -231,7 +235,8 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
         decisions.close()
     _gather_rng(root / f"rng-w{world}.json", rank, world)
     jobs.save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
-    jobs.gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused})
+    jobs.gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused,
+                                                                       "store_by_uri": store_by_uri})
     cf.close()
 
 
@@ -324,8 +329,10 @@ def test_sharded_model_refuses_a_checkpoint_store_local_decisions_and_no_snapsho
         assert "LocalDecisions" in local and "3 ranks" in local
         assert "CheckpointStore" in plain and "sharded" in plain
         assert "takes_snapshots=False" in no_snapshots
-    at_one = json.loads((runs / "reshard-w1.json").read_text())[0]["refused"]
-    assert len(at_one) == 2 and "CheckpointStore" in at_one[0]  # alone, LocalDecisions is fine
+    alone = json.loads((runs / "reshard-w1.json").read_text())[0]
+    assert len(alone["refused"]) == 2 and "CheckpointStore" in alone["refused"][0]  # alone, LocalDecisions is fine
+    # a URI gets a CheckpointStore's defaults: compress=None can run the compression trial
+    assert alone["store_by_uri"] == "ShardedStore rcfz"
 
 
 def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:

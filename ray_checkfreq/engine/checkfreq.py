@@ -479,7 +479,10 @@ def _store_for(storage: str | CheckpointStore | ShardedStore,
                sharded: ShardedMode | None) -> CheckpointStore | ShardedStore:
     if isinstance(storage, (CheckpointStore, ShardedStore)):
         return storage
-    return ShardedStore(storage) if sharded is not None else CheckpointStore(storage)
+    store = CheckpointStore(storage)
+    # A URI gets the same defaults either way (codec, retention), so compress=None runs the
+    # compression trial for a sharded state too, as it does under Ray.
+    return store.sharded_twin() if sharded is not None else store
 
 
 def _seams_for(seams: EngineSeams | None, sharded: ShardedMode | None) -> EngineSeams:
