@@ -390,16 +390,21 @@ class ShardedStore:
                 raise
             try:
                 result = self._commit_dir(name, step, generation, fence=generation)
-            except Exception as err:  # a newer generation's housekeeping removed files under it?
-                try:
-                    fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
-                except FencedWriterError:
-                    self._withdraw(step, name)
-                    raise
+            except Exception as err:
+                self._withdraw_if_fenced(err, step, name, generation)
                 raise
             if result.by_me:
                 self._housekeeping(name, step, generation)
         return result
+
+    def _withdraw_if_fenced(self, err: Exception, step: int, name: str, generation: int) -> None:
+        """A commit that failed because a newer generation took over (its housekeeping removed
+        files under it, say): withdraw this writer's part and raise ``FencedWriterError``."""
+        try:
+            fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
+        except FencedWriterError:
+            self._withdraw(step, name)
+            raise
 
     def _withdraw(self, step: int, name: str) -> None:
         """Remove this writer's part of ``step`` (manifest first), unless already committed."""
