@@ -4,8 +4,8 @@ training without checkpoints on spawned gloo ranks (the reference).
 
 Step ``s`` trains on global batch ``s`` (``sharded_state_jobs.train``), so a run resumed at
 any world size sees the same batches. Every rank logs to ``work_dir/log-<rank>.jsonl``
-(``ray_train_jobs.log``); after the last step the whole state is gathered and rank 0
-saves it to ``work_dir/final-<attempt pid>.npz``.
+(``ray_train_jobs.log``); after the last step (and after each iteration of ``gather_at``)
+the whole state is gathered and rank 0 saves it to ``work_dir/final.npz`` (``at-<i>.npz``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def train(config: dict) -> None:
         if kill and rank == kill["rank"] and cf.iteration == kill["iteration"] and once(work_dir, "kill"):
             log(work_dir, rank, event="kill", iteration=cf.iteration)
             os.kill(os.getpid(), signal.SIGKILL)
-        if cf.iteration == config.get("gather_at"):  # the whole state as this iteration's checkpoint holds it
+        if cf.iteration in config.get("gather_at", ()):  # the whole state as this iteration's checkpoint holds it
             arrays = jobs.full_state(model, optimizer)  # a collective
             if rank == 0:
                 jobs.save_arrays(Path(work_dir) / f"at-{cf.iteration}.npz", arrays)
@@ -66,12 +66,18 @@ def train(config: dict) -> None:
         stats={key: stats.get(key) for key in ("k", "sharded", "snapshots", "checkpoints_committed")})
 
 
-def reference(rank: int, world: int, root: Path) -> None:
-    """A job for ``sharded_state_jobs.spawn``: ``ITERATIONS`` steps without checkpoints."""
+def reference(rank: int, world: int, root: Path, *, iterations: int = ITERATIONS,
+              gather_at: tuple[int, ...] = ()) -> None:
+    """A job for ``sharded_state_jobs.spawn`` (``functools.partial`` for the keywords):
+    ``iterations`` steps without checkpoints, the whole state saved to ``reference.npz`` at
+    the end and to ``at-<i>.npz`` after each iteration ``i`` of ``gather_at``."""
     torch.set_num_threads(1)
     model = jobs.sharded_net(seed=0)
     optimizer = jobs.optimizer_of(model)
-    jobs.train(model, optimizer, range(ITERATIONS), rank, world)
-    arrays = jobs.full_state(model, optimizer)
-    if rank == 0:
-        jobs.save_arrays(root / "reference.npz", arrays)
+    done = 0
+    for until, name in [*((i, f"at-{i}.npz") for i in sorted(gather_at)), (iterations, "reference.npz")]:
+        jobs.train(model, optimizer, range(done, until), rank, world)  # step s trains on batch s: splits change nothing
+        done = until
+        arrays = jobs.full_state(model, optimizer)  # a collective
+        if rank == 0:
+            jobs.save_arrays(root / name, arrays)

@@ -219,6 +219,77 @@ def test_housekeeping_only_by_the_committer_and_never_of_a_newer_generation(tmp_
     assert store.dir_name(4) in sorted(p.name for p in tmp_path.glob("step-*"))
 
 
+
+def commit_at_once(stores: list[ShardedStore], step: int, state: dict) -> tuple[dict, list]:
+    """Rank r writes its part through ``stores[r]``; once every part is there, all commit at once."""
+    barrier, results, errors = threading.Barrier(len(stores)), {}, []
+
+    def writer(rank: int) -> None:
+        save(stores[rank], step, [rank], state)
+        barrier.wait()
+        try:
+            results[rank] = stores[rank].try_commit(step)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(rank,)) for rank in range(len(stores))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, errors
+
+
+def test_ranks_committing_a_step_at_once_without_a_conditional_create_all_succeed(tmp_path):
+    """A pyarrow filesystem without a conditional create (HDFS, say): ranks that find every
+    part at the same moment may each write the global manifest. None may fail: a shared
+    temporary name once made one rank's rename fail ("commit failed"), and its training
+    with it, though the step was committed."""
+    from ray_checkfreq.chaos.holds import holding_filesystem
+    from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
+
+    state = full_state(2)
+    plain = holding_filesystem(str(tmp_path / "no-holds"))  # no hold armed: the local disk, through pyarrow
+    root = str(tmp_path / "store")
+    first = ShardedStore(root, filesystem=plain, keep_last=2)
+    assert isinstance(first.backend, ArrowBackend)
+    generation = first.acquire_writer()
+    stores = [first, *(ShardedStore(root, filesystem=plain, keep_last=2, writer_generation=generation)
+                       for _ in range(WORLD - 1))]
+    for step in range(1, 16):
+        results, errors = commit_at_once(stores, step, state)
+        assert errors == [], (step, errors)
+        assert all(result.committed for result in results.values()), (step, results)
+        assert first.latest().step == step
+    assert [ref.step for ref in first.list()] == [14, 15]
+    assert not list((tmp_path / "store").rglob("*.tmp"))
+    assert_loads(first, 15, state, WORLD)
+
+
+def test_a_failed_clean_up_after_a_commit_fails_nothing_and_the_next_commit_cleans_up(tmp_path, monkeypatch):
+    """The step is durable once its manifest is: removing older ones failing (another
+    committer removing them too, say) must not fail the rank's persist."""
+    state = full_state(3)
+    store = ShardedStore(str(tmp_path), keep_last=1)
+    store.acquire_writer()
+    for step in (1, 2):
+        for rank in range(WORLD):
+            save(store, step, [rank], state)
+        if step == 2:
+            def refuse(rel_dir: str) -> None:
+                raise StorageError(store.backend.uri(rel_dir), "delete failed: the test says no")
+
+            monkeypatch.setattr(store.backend, "delete_dir", refuse)
+        assert store.try_commit(step).by_me
+    assert [ref.step for ref in store.list()] == [2]  # 1 uncommitted (its manifest removed first) ...
+    assert store.dir_name(1) in [p.name for p in tmp_path.glob("step-*")]  # ... but its directory left
+    monkeypatch.undo()
+    for rank in range(WORLD):
+        save(store, 3, [rank], state)
+    assert store.try_commit(3).by_me
+    assert [ref.step for ref in store.list()] == [3]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [store.dir_name(3)]
+
 # ------------------------------------------------------------------ salvage
 def test_salvage_commits_a_complete_old_directory_only_without_a_newer_checkpoint(tmp_path):
     state = full_state(6)

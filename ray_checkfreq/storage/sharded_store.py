@@ -46,7 +46,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, FencedWriterError, StorageError
+from ray_checkfreq.errors import (
+    CheckFreqError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedWriterError,
+    StorageError,
+)
 from ray_checkfreq.storage import fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
@@ -394,8 +400,16 @@ class ShardedStore:
                 self._withdraw_if_fenced(err, step, name, generation)
                 raise
             if result.by_me:
-                self._housekeeping(name, step, generation)
+                self._housekeeping_after(name, step, generation)
         return result
+
+    def _housekeeping_after(self, name: str, step: int, generation: int) -> None:
+        """Housekeeping after a durable commit: its failure (another committer removing the
+        same directory, say) is logged, not raised; the next commit's housekeeping retries."""
+        try:
+            self._housekeeping(name, step, generation)
+        except (CheckFreqError, OSError) as err:
+            logger.warning("%s committed; removing older checkpoints failed: %s", self.backend.uri(name), err)
 
     def _withdraw_if_fenced(self, err: Exception, step: int, name: str, generation: int) -> None:
         """A commit that failed because a newer generation took over (its housekeeping removed

@@ -11,6 +11,7 @@ base class's check-then-write.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,12 +88,21 @@ class ArrowBackend(Backend):
         if self.fs.type_name in _OBJECT_STORES:
             self.write(rel_path, [data])
             return
-        tmp = rel_path + ".tmp"
+        # A name of its own: writers racing for one name (ranks committing one step where the
+        # create is not conditional) must not move each other's temporary files.
+        tmp = f"{rel_path}.{uuid.uuid4().hex[:8]}.tmp"
         self.write(tmp, [data])
         try:
             self.fs.move(self._path(tmp), self._path(rel_path))
         except OSError as err:
+            self._delete_quietly(tmp)
             raise StorageError(self.uri(rel_path), f"commit failed: {err}") from err
+
+    def _delete_quietly(self, rel_path: str) -> None:
+        try:
+            self.fs.delete_file(self._path(rel_path))
+        except OSError:
+            pass  # the move's error is the one to report
 
     def read(self, rel_path: str) -> Any:
         try:
