@@ -62,8 +62,21 @@ def train(config: dict) -> None:
     if rank == 0:
         jobs.save_arrays(Path(work_dir) / "final.npz", arrays)
     stats = cf.stats()
-    log(work_dir, rank, event="end", iteration=cf.iteration,
-        stats={key: stats.get(key) for key in ("k", "sharded", "snapshots", "checkpoints_committed")})
+    log(work_dir, rank, event="end", iteration=cf.iteration, generation=cf.generation, node=cf.node_id,
+        ram=ram_held(cf.run) if rank == 0 else None,
+        stats={key: stats.get(key) for key in ("k", "sharded", "snapshots", "checkpoints_committed",
+                                               "stale_ram_released")})
+
+
+def ram_held(run: str) -> dict:
+    """{node: {"slots": [[owner, generation]], "peers": [[owner, generation]]}} of the run's live agents."""
+    from ray_checkfreq.ray.agent import live_agents
+    from ray_checkfreq.ray.shard_copies import ram_headers
+
+    slot_found, peer_found = ram_headers(live_agents(run))
+    return {node: {"slots": [[h["owner"], h["generation"]] for h in slot_found[node] if h["owner"] is not None],
+                   "peers": [[h["owner"], h["generation"]] for h in peer_found.get(node, [])]}
+            for node in slot_found}
 
 
 def reference(rank: int, world: int, root: Path, *, iterations: int = ITERATIONS,

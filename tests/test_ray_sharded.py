@@ -230,8 +230,16 @@ def test_a_killed_rank_a_lost_node_and_a_smaller_world_each_resume_where_they_sh
         assert start["iteration"] == start["restore"]["step"] == resharded[0]["iteration"], start
     assert resharded[0]["iteration"] % EVERY == 0 and 15 <= resharded[0]["iteration"] <= reached
     assert len(starts(work_dir, 3)) == 3  # rank 3 of W = 4 never started again
-    ends = [events(work_dir, rank, "end")[-1]["stats"] for rank in range(3)]
-    assert all(end["sharded"] and end["snapshots"] for end in ends), ends
+    ends = [events(work_dir, rank, "end")[-1] for rank in range(3)]
+    assert all(end["stats"]["sharded"] and end["stats"]["snapshots"] for end in ends), ends
+    # The last generation's first commit freed what no restart could choose any more: the
+    # slots of ranks that left a node, and every older generation's peer copy.
+    generation = ends[0]["generation"]
+    assert ends[0]["stats"]["stale_ram_released"]["peer_copies"] >= 1, ends[0]
+    owners_now = {end["node"]: rank for rank, end in enumerate(ends)}
+    for node, held in ends[0]["ram"].items():
+        assert all(owner == owners_now.get(node) or gen == generation for owner, gen in held["slots"]), (node, held)
+        assert all(gen == generation for _, gen in held["peers"]), (node, held)
     final = sharded_state_jobs.load_arrays(os.path.join(work_dir, "final.npz"))
     assert_equal_state(final, reference["reference"], atol=1e-9)
     # Result.checkpoint points at the newest committed step; load() gathers it whole here.

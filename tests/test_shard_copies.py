@@ -206,9 +206,29 @@ def test_each_rank_and_the_replica_get_slot_files_of_their_own(agent):
     assert step == 12 and [s.path for s in sources] == [owned[0][0], owned[1][0]]
 
 
-def begin(target: slots.MappedSlot, *, step: int, rank: int) -> dict:
+
+def test_after_a_generations_first_commit_the_agent_frees_what_no_restart_can_choose(agent):
+    """Rank 0 left this node (its slots hold generation 1 only), rank 2 left too but sealed
+    generation 2 here (kept), rank 1 is here now, and the replica is not a rank's: only rank
+    0's slots and the generation-1 peer copy go, files and all."""
+    import os
+
+    owned = {owner: agent.allocate(4096, 1 << 20, owner, None if owner is None else 3) for owner in (0, 1, 2, None)}
+    for owner, generation in ((0, 1), (1, 1), (2, 2)):
+        with slots.MappedSlot.open(owned[owner][0]) as target:
+            target.finish_write(begin(target, step=9, rank=owner, generation=generation))
+    agent.keep_peer_copy(info(0, 9, gen=1), np.zeros(8, dtype=np.uint8))
+    agent.keep_peer_copy(info(2, 12, gen=2), np.zeros(8, dtype=np.uint8))
+    size = sum(os.path.getsize(path) for path in owned[0])
+    assert agent.release_stale(2, [1]) == {"slots": 2, "peer_copies": 1, "bytes": size + 8}
+    assert not any(os.path.exists(path) for path in owned[0])
+    assert {h["owner"] for h in agent.slot_headers()} == {1, 2, None}
+    assert [(h["owner"], h["generation"]) for h in agent.peer_headers()] == [(2, 2)]
+    assert agent.release_stale(2, [1]) == {"slots": 0, "peer_copies": 0, "bytes": 0}
+
+def begin(target: slots.MappedSlot, *, step: int, rank: int, generation: int = 1) -> dict:
     layout = slots.slot_layout([(("model", "w"), (4,), torch.float32)])
-    views = target.begin_write(step=step, generation=1, layout=layout)
+    views = target.begin_write(step=step, generation=generation, layout=layout)
     views[("model", "w")].fill_(rank + 0.5)
     return {"model": {"w": views[("model", "w")]}}
 

@@ -233,6 +233,35 @@ class NodeAgent:
         finally:
             del state
 
+    def release_stale(self, generation: int, owners_here: list[int]) -> dict:
+        """Free the sharded RAM copies that no restart can choose any more, once
+        ``generation`` has committed a step: a restart takes one (step, generation) from every
+        rank, and nothing older than that commit. Removes the slots of ranks that are no
+        longer on this node (all older than ``generation``; one being sent to a peer stays)
+        and the peer copies of older generations. Returns {"slots", "peer_copies", "bytes"}."""
+        released = {"slots": 0, "peer_copies": 0, "bytes": 0}
+        with self._lock:
+            for owner in [o for o in self._slots if o is not None and o not in owners_here]:
+                table = self._slots[owner]
+                if owner in self._replicating or any(s.header().generation >= generation for s in table.values()):
+                    continue
+                for slot in table.values():
+                    released["bytes"] += os.path.getsize(slot.path)
+                    self._remove(slot)
+                released["slots"] += len(table)
+                del self._slots[owner]
+                self._worlds.pop(owner, None)
+            for owner, copies in list(self._peers.items()):
+                kept = [c for c in copies if int(c.info["generation"]) >= generation]
+                stale = [c for c in copies if int(c.info["generation"]) < generation]
+                released["peer_copies"] += len(stale)
+                released["bytes"] += sum(c.packed.nbytes for c in stale)
+                if kept:
+                    self._peers[owner] = kept
+                else:
+                    del self._peers[owner]
+        return released
+
     def _drop_retired(self) -> None:
         """Remove outgrown slots unless a persist is reading one (caller holds ``_lock``)."""
         if self._in_flight is None:

@@ -62,7 +62,7 @@ from ray_checkfreq.ray.rank_setup import overhead_of as _overhead_of
 from ray_checkfreq.ray.registration import RegistrationConfig
 from ray_checkfreq.ray.restart import RestartProtocol
 from ray_checkfreq.ray.rng import gather_rng, set_own_rng
-from ray_checkfreq.ray.shard_copies import ShardSealer, peer_node
+from ray_checkfreq.ray.shard_copies import ShardSealer, peer_node, release_stale_copies
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -178,6 +178,7 @@ class CheckFreq:
                                     peer=self._peer_agent)
                         if self.sharded and self.agent else None)
         self._peer: Any = None
+        self.stale_ram_released: dict | None = None  # sharded: what this generation's first commit freed
         self._decisions = BroadcastDecisions(decision_group, self.rank)
         self.metrics = new_metrics(run=self.run, rank=self.rank, node_id=self.node_id, every_s=config.metrics_every_s)
         watcher = (DrainWatcher(set(self.nodes), poll_s=config.drain_poll_s)
@@ -281,6 +282,11 @@ class CheckFreq:
         """Rank 0: a persist committed (from the persist thread)."""
         if self.parts is not None and self.rank != 0:
             return  # another rank's part is durable: only rank 0's reports a commit
+        if self.parts is not None and self.agent is not None and self.stale_ram_released is None:
+            # This generation's first commit: no restart can choose an older generation's copies now.
+            self.stale_ram_released = release_stale_copies(agents.live_agents(self.run),
+                                                           generation=self._current_generation(),
+                                                           rank_nodes=self.nodes)
         if self.parts is not None and self._policy is not None:  # no agent reports it
             self._policy.persisted({"step": result.step, "seconds": result.seconds,
                                     "stored_bytes": result.stored_bytes, "node_id": self.node_id})
@@ -375,6 +381,7 @@ class CheckFreq:
         return {**self.engine.stats(), "rank": self.rank, "world_size": self.world_size,
                 "snapshots": self.snapshots, "sharded": self.sharded, "restore": self.restore_info,
                 "peer_copies": self._sealer.stats() if self._sealer is not None else None,
+                "stale_ram_released": self.stale_ram_released,
                 "notices": list(self.notices),
                 "policy_decisions": list(self.policy_decisions),
                 "metrics": self.metrics.values() if self.metrics is not None else None,
