@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -284,7 +285,7 @@ def test_a_store_on_the_holding_filesystem_stops_inside_the_commit_and_a_kill_th
         time.sleep(0.02)
     marker = holds.inside(control, "commit")
     assert marker["pid"] == child.pid and marker["path"].endswith("/manifest.json")
-    assert os.path.exists(marker["path"] + ".tmp")  # written, not yet renamed
+    assert glob.glob(marker["path"] + ".*.tmp")  # written under a temporary name of its own, not yet renamed
     child.kill()
     child.wait()
     from ray_checkfreq import CheckpointStore

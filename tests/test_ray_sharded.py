@@ -96,6 +96,27 @@ def attempt_batches(work_dir: str, rank: int, attempt: int) -> list[dict]:
     return [e for e in events(work_dir, rank, "batch") if after < e["t"] < before]
 
 
+def sample_accounting(work_dir: str) -> dict:
+    """Lost and repeated samples per epoch over the batches no later attempt rolled back
+    (``chaos.report``: every rank's k-th start is attempt k, as every restart restarts all)."""
+    import ray_sharded_jobs
+    import sharded_state_jobs
+
+    from ray_checkfreq.chaos import report
+
+    logged = []
+    for rank in range(WORKERS):
+        attempt = -1
+        with open(os.path.join(work_dir, f"log-{rank}.jsonl")) as lines:
+            for entry in map(json.loads, lines):
+                attempt += entry["event"] == "start"
+                logged.append({**entry, "rank": rank, "attempt": attempt})
+    kept = report.surviving_batches(logged, report.attempts(logged))
+    return report.sample_accounting(kept, samples=ray_sharded_jobs.SAMPLES,
+                                    global_batch=sharded_state_jobs.GLOBAL_BATCH,
+                                    epoch_len=ray_sharded_jobs.EPOCH_LEN, total_iterations=ITERATIONS)
+
+
 def committed_steps(storage: str) -> list[int]:
     from ray_checkfreq.storage.sharded_store import ShardedStore
 
@@ -170,65 +191,68 @@ def ram_source(rank: int, node: str, *, before: list[str], lost: set[str]) -> st
 
 def test_a_killed_rank_a_lost_node_and_a_smaller_world_each_resume_where_they_should(train_nodes, tmp_path,
                                                                                    reference):
-    """Four attempts of one run (k = 3, 22 iterations):
+    """Four attempts of one run (22 iterations, 10 an epoch; k = 3 from each epoch's start:
+    checkpoints at 3, 6, 9, the epoch end 10, 13, 16, 19, 20):
 
     1. W = 4: rank 1 is SIGKILLed after iteration 11, mid-interval.
-    2. W = 4 again (the spare node): every rank restarts at 9 from RAM. The part writes of
-       step 12 are held (storage stays at 9), and rank 1's node is removed after iteration 14.
-    3. W = 4 on the 4 nodes left: every rank resumes at 12, newer than anything in storage,
-       rank 1 from the peer copy its lost node had sent. 12 is written again and committed.
+    2. W = 4 again (the spare node): every rank restarts at 10 from RAM. The part writes of
+       step 13 are held (storage stays at 10), and rank 1's node is removed after iteration 15.
+    3. W = 4 on the 4 nodes left: every rank resumes at 13, newer than anything in storage,
+       rank 1 from the peer copy its lost node had sent. 13 is written again and committed.
        The state after iteration 15 equals training that never stopped, bit for bit. Rank 3's
        node is removed after iteration 17.
     4. W = 3 (elastic): every rank reads its new shards of the newest commit from storage
        (resharding 4 -> 3). With the global batch fixed, the run ends within 1e-9 of
        training at W = 4 that never stopped.
+
+    Over the batches that count, every sample is trained once per epoch.
     """
     import sharded_state_jobs
 
     from ray_checkfreq.chaos import holds
 
     storage, control = str(tmp_path / "store"), str(tmp_path / "holds")
-    holds.arm(control, "persist", hold_s=120, from_step=12)
+    holds.arm(control, "persist", hold_s=120, from_step=13)
     work_dir = str(tmp_path / "run")
     os.makedirs(work_dir)
     removed: list[str] = []
-    removers = [remove_node_when(train_nodes, work_dir, rank=1, attempt=1, iteration=14, removed=removed,
+    removers = [remove_node_when(train_nodes, work_dir, rank=1, attempt=1, iteration=15, removed=removed,
                                  after_peer_copy=True),
                 remove_node_when(train_nodes, work_dir, rank=3, attempt=2, iteration=17, removed=removed)]
     committed, run_ended = set(), threading.Event()
     commits = watch_commits(storage, committed, run_ended)
     result, _ = fit(tmp_path, "run", storage, max_failures=3, sleep_s=0.3, kill={"rank": 1, "iteration": 11},
-                    gather_at=[15, 21], hold_control=control)
+                    gather_at=[15, 20], hold_control=control)
     run_ended.set()
     for thread in (*removers, commits):
         thread.join(timeout=5)
     assert not isinstance(result, Exception), result
     assert len(removed) == 2, f"nodes removed: {removed}"
-    assert holds.inside(control, "persist")["step"] == 12  # a part of 12 was held, so 12 was never committed
+    assert holds.inside(control, "persist")["step"] == 13  # a part of 13 was held, so 13 was never committed
     attempts = [[starts(work_dir, rank)[a] for rank in range(WORKERS)] for a in range(3)]
     assert [[s["world_size"] for s in attempt] for attempt in attempts] == [[WORKERS] * WORKERS] * 3
     assert all(s["iteration"] == 0 and s["restore"]["kind"] == "none" for s in attempts[0])
     nodes = [[s["node"] for s in attempt] for attempt in attempts]
     for rank in range(WORKERS):
         killed, lost = attempts[1][rank], attempts[2][rank]
-        # Checkpoints at 3, 6, 9; rank 1 died after iteration 11, before 12's. From RAM, not storage.
-        assert killed["iteration"] == 9 and killed["restore"]["step"] == 9, killed
+        # Rank 1 died after iteration 11, before 13's checkpoint. From RAM, not storage.
+        assert killed["iteration"] == 10 and killed["restore"]["step"] == 10, killed
         assert killed["restore"]["kind"] == ram_source(rank, killed["node"], before=nodes[0], lost=set()), \
             (rank, killed, nodes)
-        # Storage had 9 only: 12 came from RAM, rank 1's from the peer copy of its lost node.
-        assert lost["iteration"] == 12 and lost["restore"]["committed_step"] == 9, lost
+        # Storage had 10 only: 13 came from RAM, rank 1's from the peer copy of its lost node.
+        assert lost["iteration"] == 13 and lost["restore"]["committed_step"] == 10, lost
         assert lost["restore"]["kind"] == ram_source(rank, lost["node"], before=nodes[1], lost={removed[0]}), \
             (rank, lost, nodes)
     assert attempts[2][1]["restore"]["kind"] == "peer"
     assert_equal_state(sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-15.npz")), reference["at-15"])
-    # The restored 12 was written again from RAM (under the new generation) and committed.
-    assert {12, 15} <= committed, committed
+    # The restored 13 was written again from RAM (under the new generation) and committed.
+    assert {13, 16} <= committed, committed
     resharded = [starts(work_dir, rank)[3] for rank in range(3)]
     reached = max(e["iteration"] for rank in range(WORKERS) for e in attempt_batches(work_dir, rank, 2))
     for start in resharded:
         assert start["world_size"] == 3 and start["restore"]["kind"] == "storage", start
         assert start["iteration"] == start["restore"]["step"] == resharded[0]["iteration"], start
-    assert resharded[0]["iteration"] % EVERY == 0 and 15 <= resharded[0]["iteration"] <= reached
+    assert resharded[0]["iteration"] in committed and 16 <= resharded[0]["iteration"] <= reached
     assert len(starts(work_dir, 3)) == 3  # rank 3 of W = 4 never started again
     ends = [events(work_dir, rank, "end")[-1] for rank in range(3)]
     assert all(end["stats"]["sharded"] and end["stats"]["snapshots"] for end in ends), ends
@@ -240,6 +264,8 @@ def test_a_killed_rank_a_lost_node_and_a_smaller_world_each_resume_where_they_sh
     for node, held in ends[0]["ram"].items():
         assert all(owner == owners_now.get(node) or gen == generation for owner, gen in held["slots"]), (node, held)
         assert all(gen == generation for _, gen in held["peers"]), (node, held)
+    # Each rank's data position travelled in its part and RAM copy, also across 4 -> 3.
+    assert sample_accounting(work_dir) == {"samples_lost": 0, "samples_repeated": 0}
     final = sharded_state_jobs.load_arrays(os.path.join(work_dir, "final.npz"))
     assert_equal_state(final, reference["reference"], atol=1e-9)
     # Result.checkpoint points at the newest committed step; load() gathers it whole here.
@@ -247,7 +273,7 @@ def test_a_killed_rank_a_lost_node_and_a_smaller_world_each_resume_where_they_sh
     from ray_checkfreq.storage.tree import leaves_of
 
     loaded = load(result.checkpoint)
-    assert loaded["checkfreq"]["iteration"] == 21
+    assert loaded["checkfreq"]["iteration"] == 20
     gathered = {name: np.asarray(leaf) for _, name, leaf in leaves_of({"model": loaded["model"],
                                                                        "optimizer": loaded["optimizer"]})}
-    assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-21.npz")))
+    assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-20.npz")))
