@@ -20,6 +20,7 @@ import uuid
 import numpy as np
 import pytest
 from conftest import RUN_TIMEOUT_S
+from test_ray_train import assert_nothing_left, attempt_batches, events
 
 pytestmark = pytest.mark.chaos
 
@@ -60,7 +61,6 @@ def reference(tmp_path_factory):
 
 def fit(tmp_path, name: str, storage: str, *, max_failures: int, **config) -> tuple[object, str]:
     import ray_sharded_jobs
-    from test_ray_train import assert_nothing_left
 
     from ray_checkfreq.chaos.harness import TrainJob, fit_job
 
@@ -78,22 +78,8 @@ def fit(tmp_path, name: str, storage: str, *, max_failures: int, **config) -> tu
     return outcome, work_dir
 
 
-def events(work_dir: str, rank: int, kind: str) -> list[dict]:
-    with open(os.path.join(work_dir, f"log-{rank}.jsonl")) as lines:
-        return [e for e in map(json.loads, lines) if e["event"] == kind]
-
-
 def starts(work_dir: str, rank: int) -> list[dict]:
     return events(work_dir, rank, "start")
-
-
-def attempt_batches(work_dir: str, rank: int, attempt: int) -> list[dict]:
-    """The batches ``rank`` logged in its ``attempt``-th start (0 = the first)."""
-    begun = starts(work_dir, rank)
-    if len(begun) <= attempt:
-        return []
-    after, before = begun[attempt]["t"], begun[attempt + 1]["t"] if len(begun) > attempt + 1 else float("inf")
-    return [e for e in events(work_dir, rank, "batch") if after < e["t"] < before]
 
 
 def sample_accounting(work_dir: str) -> dict:

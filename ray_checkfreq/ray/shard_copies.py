@@ -123,7 +123,6 @@ def ram_headers(live: Mapping[str, Any]) -> tuple[dict[str, list], dict[str, lis
     return slot_found, peer_found
 
 
-
 def release_stale_copies(live: Mapping[str, Any], *, generation: int, rank_nodes: Sequence[str]) -> dict:
     """Once ``generation`` has committed a step: every live agent frees the slots of ranks
     that left its node and the peer copies of older generations (``NodeAgent.release_stale``).
@@ -143,6 +142,7 @@ def release_stale_copies(live: Mapping[str, Any], *, generation: int, rank_nodes
         for key in total:
             total[key] += int(released[key])
     return total
+
 
 def read_rank_source(source: RankSource, *, run: str, node_id: str) -> dict:
     """The snapshot ``source`` holds, read on this rank; SlotError when it cannot be read."""
