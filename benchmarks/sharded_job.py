@@ -144,13 +144,26 @@ def dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 # ------------------------------------------------------------------ checkpointers
 class NoCheckpoints:
-    """The baseline; ``stall_s`` is the time the loop spent in checkpoint calls."""
+    """The baseline; ``stall_s`` is the time the loop spent in checkpoint calls, and
+    ``interval_stall_s`` that time per checkpoint interval (its k iterations' calls and,
+    for ours, the fence in the next ``optimizer.step()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
         self.stall_s = 0.0
         self.checkpoints = 0
         self.engine_stall_s: float | None = None  # ours: the engine's own count, for comparison
         self.off_checkpoint_step_s: list[float] = []  # ours: cf.step() on iterations that take no checkpoint
+        self.interval_stall_s: list[float] = []
+        self._interval = 0.0
+
+    def count(self, it: int, seconds: float) -> None:
+        """Checkpoint work of iteration ``it``; an interval closes at each multiple of k."""
+        self.stall_s += seconds
+        self._interval += seconds
+        if it % self.every == 0:
+            self.interval_stall_s.append(self._interval)
+            self._interval = 0.0
 
     def after_step(self, it: int) -> None:
         pass
@@ -161,7 +174,9 @@ class NoCheckpoints:
 
 class Ours(NoCheckpoints):
     """The engine in sharded mode at a fixed k, uncompressed: time in ``cf.step()`` on
-    every iteration plus the fence waits inside ``optimizer.step()``."""
+    every iteration plus its ``optimizer.step()`` pre-hook (the fence), timed by two
+    hooks of our own around it; the fence of checkpoint j runs in the interval after it
+    and is counted to checkpoint j."""
 
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: Settings, rank: int,
                  directory: Path, group: Any) -> None:
@@ -169,30 +184,45 @@ class Ours(NoCheckpoints):
         from ray_checkfreq.ray.decisions import BroadcastDecisions
         from ray_checkfreq.storage.sharded_store import ShardedStore
 
-        super().__init__()
-        self.every = settings.every
+        super().__init__(settings.every)
         store = ShardedStore(str(directory))
         chosen: list[Any] = [store.acquire_writer() if rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         store.adopt_generation(chosen[0])
         self.decisions = BroadcastDecisions(group, rank)
+        self._hook_started = 0.0
+        self._fence_s = 0.0
+        self._hooks = [opt.register_step_pre_hook(self._before_ours)]
         self.cf = CheckFreq(model=model, optimizer=opt, storage=store,
                             config=CheckFreqConfig(every=settings.every, compress=False),
                             seams=EngineSeams(decisions=self.decisions))
+        self._hooks.append(opt.register_step_pre_hook(self._after_ours))
+
+    def _before_ours(self, *args: Any) -> None:
+        self._hook_started = time.perf_counter()
+
+    def _after_ours(self, *args: Any) -> None:
+        self._fence_s = time.perf_counter() - self._hook_started
 
     def after_step(self, it: int) -> None:
+        fence, self._fence_s = self._fence_s, 0.0
+        if self.interval_stall_s and it % self.every == 1 % self.every:  # the previous checkpoint's fence
+            self.interval_stall_s[-1] += fence
+            self.stall_s += fence
+            fence = 0.0
         start = time.perf_counter()
         self.cf.step()
         took = time.perf_counter() - start
-        self.stall_s += took
+        self.count(it, took + fence)
         if it % self.every:
             self.off_checkpoint_step_s.append(took)
 
     def finish(self) -> None:
         self.cf.close()
         self.decisions.close()
+        for hook in self._hooks:
+            hook.remove()
         stats = self.cf.stats()
-        self.stall_s += stats["fence_wait_s"]
         self.checkpoints = stats["checkpoints_committed"]
         self.engine_stall_s = stats["stall_s_total"]
 
@@ -202,15 +232,15 @@ class DcpSave(NoCheckpoints):
 
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, settings: Settings,
                  directory: Path) -> None:
-        super().__init__()
-        self.model, self.opt, self.every, self.directory = model, opt, settings.every, directory
+        super().__init__(settings.every)
+        self.model, self.opt, self.directory = model, opt, directory
 
     def after_step(self, it: int) -> None:
         if it % self.every:
             return
         start = time.perf_counter()
         self.save(it)
-        self.stall_s += time.perf_counter() - start
+        self.count(it, time.perf_counter() - start)
         self.checkpoints += 1
 
     def save(self, it: int) -> None:
@@ -295,6 +325,7 @@ def _one_run(name: str, settings: Settings, rank: int, directory: Path, groups: 
     wall = time.perf_counter() - start
     return {"wall_s": wall, "stall_s": checkpointer.stall_s, "checkpoints": checkpointer.checkpoints,
             "engine_stall_s": checkpointer.engine_stall_s, "off_checkpoint_step_s": checkpointer.off_checkpoint_step_s,
+            "interval_stall_s": checkpointer.interval_stall_s,
             "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss_bytes()}
 
 

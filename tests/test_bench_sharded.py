@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import sharded_job
 from benchmarks import sharded_ray_job as ray_job
-from benchmarks.sharded import save_figures
+from benchmarks.sharded import save_figures, targets
 
 VARIANTS = {"baseline", "ours", "dcp async_save", "dcp save"}
 
@@ -37,6 +37,7 @@ def test_smoke_run_has_every_variant_figures_and_ours_committed(tmp_path):
         assert entry["stall_s_per_checkpoint"]["slowest"] >= entry["stall_s_per_checkpoint"]["rank0"], name
         assert len(entry["peak_rss_bytes"]) == 2 and min(entry["peak_rss_bytes"]) > 0, name
         assert isinstance(entry["slowdown_s_per_checkpoint"], float), name
+        assert entry["stall_s_first_checkpoint"]["slowest"] > 0 and entry["stall_s_later_checkpoints"]["slowest"] > 0
     restores = figures["restore"]
     assert len(restores) == 3
     for label, entry in restores.items():
@@ -83,22 +84,31 @@ def test_ray_smoke_run_measures_both_ours_variants_and_every_restore_source(tmp_
     assert "whole run:" in done.stdout
 
 
-def _run(variant: str, rank: int, wall: float, stall: float, checkpoints: int) -> dict:
+def _run(variant: str, rank: int, wall: float, stall: float, checkpoints: int,
+         intervals: list[float] | None = None) -> dict:
     return {"round": 0, "variant": variant, "wall_s": wall, "stall_s": stall, "checkpoints": checkpoints,
             "engine_stall_s": stall, "off_checkpoint_step_s": [0.001],
+            "interval_stall_s": intervals if intervals is not None else [stall / max(checkpoints, 1)] * checkpoints,
             "rss_at_start_bytes": 1, "peak_rss_bytes": 2}
 
 
 def test_figures_take_the_slowest_rank_and_the_same_round_baseline():
-    settings = sharded_job.Settings(ranks=2, rounds=1, iterations=4, every=2)
-    per_rank = [[_run("baseline", 0, 1.0, 0, 0), _run("ours", 0, 1.2, 0.02, 2), _run("dcp async_save", 0, 1.4, 0.1, 2),
-                 _run("dcp save", 0, 2.0, 0.4, 2)],
-                [_run("baseline", 1, 1.1, 0, 0), _run("ours", 1, 1.5, 0.06, 2), _run("dcp async_save", 1, 1.3, 0.1, 2),
-                 _run("dcp save", 1, 2.1, 0.5, 2)]]
+    settings = sharded_job.Settings(ranks=2, rounds=1, iterations=6, every=2)
+    per_rank = [[_run("baseline", 0, 1.0, 0, 0), _run("ours", 0, 1.2, 0.03, 3, [0.02, 0.004, 0.006]),
+                 _run("dcp async_save", 0, 1.4, 0.15, 3), _run("dcp save", 0, 2.0, 0.6, 3)],
+                [_run("baseline", 1, 1.1, 0, 0), _run("ours", 1, 1.5, 0.09, 3, [0.074, 0.008, 0.008]),
+                 _run("dcp async_save", 1, 1.3, 0.15, 3), _run("dcp save", 1, 2.1, 0.75, 3)]]
     figures = save_figures(per_rank, settings)
-    assert figures["ours"]["stall_s_per_checkpoint"] == {"rank0": 0.01, "slowest": 0.03, "by_rank": [0.01, 0.03]}
-    assert figures["ours"]["slowdown_s_per_checkpoint"] == pytest.approx((1.5 - 1.1) / 2)
-    assert figures["dcp save"]["slowdown_s_per_checkpoint"] == pytest.approx((2.1 - 1.1) / 2)
+    ours = figures["ours"]
+    assert ours["stall_s_per_checkpoint"] == {"rank0": 0.01, "slowest": 0.03, "by_rank": [0.01, 0.03]}
+    assert ours["stall_s_first_checkpoint"] == {"slowest": 0.074, "by_rank": [0.02, 0.074]}
+    assert ours["stall_s_later_checkpoints"] == {"slowest": 0.008, "by_rank": [0.005, 0.008]}
+    assert ours["slowdown_s_per_checkpoint"] == pytest.approx((1.5 - 1.1) / 3)
+    assert figures["dcp save"]["slowdown_s_per_checkpoint"] == pytest.approx((2.1 - 1.1) / 3)
+    aims = targets(figures)
+    # Later checkpoints: 0.05 s against 0.008 s (met); every checkpoint: 0.05 against 0.03.
+    assert aims["stall_below_async_x"] == pytest.approx(6.25) and aims["stall_met"]
+    assert aims["stall_below_async_x_all_checkpoints"] == pytest.approx(0.05 / 0.03)
 
 
 @pytest.mark.parametrize("field", [{"every": 0}, {"ranks": True}, {"ranks": 1}, {"state_mb": 0},

@@ -9,8 +9,11 @@ at step i + 1. Host memory and persister are fakes over plain tensors and the re
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -26,9 +29,10 @@ from ray_checkfreq.engine import (
     local_rng_state,
 )
 from ray_checkfreq.engine.checkfreq import PROFILE_NAME
+from ray_checkfreq.engine.seams import set_local_rng_state
 from ray_checkfreq.engine.snapshot import Snapshotter
 from ray_checkfreq.ray.decisions import ACTION_INTS, NO_ACTION_INTS, from_ints, to_ints
-from ray_checkfreq.storage.tree import leaves_of
+from ray_checkfreq.storage.tree import flatten_state, leaves_of, unflatten_state
 
 
 # ------------------------------------------------------------------- fakes
@@ -455,3 +459,30 @@ def test_an_epoch_end_checkpoints_also_at_the_iteration_a_profiling_measurement_
         steps = {snapshot.step for p in made for snapshot, _ in p.submitted}
         missing = [end for end in range(epoch_len, 91, epoch_len) if end not in steps]
         assert not missing, f"epoch_len={epoch_len}: no checkpoint at epoch ends {missing}"
+
+
+
+def _draws() -> tuple:
+    return random.random(), random.gauss(0, 1), float(np.random.rand()), float(torch.rand(()))
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(0, 5), st.booleans())
+def test_rng_states_come_back_from_a_stored_checkpoint_in_either_python_form(seed, drawn, tuple_form):
+    """The Python RNG's 625 words travel as one uint32 array (not 625 leaves for every
+    snapshot to walk); the tuple of ``random.getstate()``, which older checkpoints hold,
+    still loads."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    for _ in range(drawn):
+        _draws()
+    random.gauss(0, 1)  # leaves a cached second Gaussian in the state
+    state = local_rng_state()
+    if tuple_form:
+        state["python"] = random.getstate()
+    flat = flatten_state({"rng": state})
+    assert tuple_form or len(json.dumps(flat.skeleton)) < 2000  # 625 words as scalars: > 6000
+    expected = _draws()
+    _draws()
+    set_local_rng_state(unflatten_state(flat.skeleton, flat.leaves)["rng"])
+    assert _draws() == expected

@@ -32,6 +32,7 @@ from ray_checkfreq.engine.sharded_restore import (
     snapshot_mismatch,
 )
 from ray_checkfreq.engine.snapshot import CopyHandle, Snapshot, Snapshotter
+from ray_checkfreq.engine.snapshot_plan import LocalViews
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
 from ray_checkfreq.engine.stats import EngineStats
 from ray_checkfreq.storage import CheckpointStore
@@ -110,6 +111,7 @@ class Executor:
         self._warned_unseen = False
         self._warned_lr = False
         self._lrs_at_step: list[float | None] | None = None  # without fetch hooks: to notice a later scheduler step
+        self.local_views: LocalViews | None = None  # sharded mode: the view each snapshot copies from
 
     @property
     def busy(self) -> bool:
@@ -187,6 +189,11 @@ class Executor:
         self.persist.wait_idle()
         self.persist.submit(snapshot)
 
+    def _views_of(self, mode: ShardedMode) -> LocalViews:
+        if self.local_views is None:
+            self.local_views = LocalViews(mode.adapter)
+        return self.local_views
+
     def _require_sharded(self) -> ShardedMode:
         if self.sharded is None:
             raise RuntimeError("a sharded restore is for a sharded model (DTensor parameters)")
@@ -247,7 +254,7 @@ class Executor:
 
     def _take_snapshot(self, epoch_boundary: bool, rng: Any) -> Snapshot:
         if self.sharded is not None:
-            return self._take_sharded_snapshot(self.sharded.adapter, epoch_boundary, rng)
+            return self._take_sharded_snapshot(self._views_of(self.sharded), epoch_boundary, rng)
         live_state = self.state
         model, optimizer = live_state.model, live_state.optimizer
         param_ptrs = {p.data_ptr() for p in model.parameters()}
@@ -263,22 +270,23 @@ class Executor:
         snapshot.state = _merge_model(snapshot.state, model_state)
         return snapshot
 
-    def _take_sharded_snapshot(self, adapter: StateAdapter, epoch_boundary: bool, rng: Any) -> Snapshot:
+    def _take_sharded_snapshot(self, views: LocalViews, epoch_boundary: bool, rng: Any) -> Snapshot:
         """This rank's local pieces (``to_local()`` views) of model and optimizer, plus its
         own extra, data and RNG state; every model/optimizer leaf's place goes along."""
-        live_dicts = adapter.live_state()
-        view = adapter.local_view(live_dicts)
-        model_local = view.state["model"]
-        params = adapter.param_keys(live_dicts["model"])
-        live = {
-            "model_params": {k: v for k, v in model_local.items() if k in params},
-            "model_buffers": {k: v for k, v in model_local.items() if k not in params},
-            "optimizer": view.state["optimizer"],
-            **self._other_parts(rng),
-        }
-        snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
-        snapshot.state = _merge_model(snapshot.state, model_local)
-        snapshot.places = {chunk.path: ChunkPlace.of(chunk) for chunk in view.chunks}
+        view = views.take()
+        try:
+            model_local = view.state["model"]
+            live = {
+                "model_params": {k: v for k, v in model_local.items() if k in view.param_keys},
+                "model_buffers": {k: v for k, v in model_local.items() if k not in view.param_keys},
+                "optimizer": view.state["optimizer"],
+                **self._other_parts(rng),
+            }
+            snapshot = self.snapshotter.take(self.iteration, live, _ASYNC_PARTS, epoch_boundary=epoch_boundary)
+            snapshot.state = _merge_model(snapshot.state, model_local)
+        finally:
+            view.release()
+        snapshot.places = view.places
         return snapshot
 
     def _other_parts(self, rng: Any) -> dict[str, Any]:
@@ -297,7 +305,7 @@ class Executor:
     def _optimizer_groups(self) -> Any:
         """The optimizer's hyper-parameter groups as its snapshot holds them."""
         if self.sharded is not None:
-            return self.sharded.adapter.live_state()["optimizer"]["param_groups"]
+            return self._views_of(self.sharded).param_groups()
         return self.state.optimizer.state_dict()["param_groups"]
 
     # ------------------------------------------------- around the iterations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,7 +79,7 @@ def local_rng_state() -> dict:
     state = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "python": _python_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -89,9 +89,23 @@ def local_rng_state() -> dict:
 def set_local_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    _set_python_rng_state(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_rng_state() -> dict:
+    """``random.getstate()`` with its 625 words as one uint32 array: a tuple of 625 ints
+    would be 625 leaves for every snapshot to walk, on the critical path."""
+    version, words, gauss_next = random.getstate()
+    return {"version": version, "words": np.array(words, dtype=np.uint32), "gauss_next": gauss_next}
+
+
+def _set_python_rng_state(state: Any) -> None:
+    """Either form: the dict above, or ``random.getstate()``'s tuple (checkpoints before it)."""
+    if isinstance(state, Mapping):
+        state = (state["version"], tuple(state["words"].tolist()), state["gauss_next"])
+    random.setstate(state)
 
 
 @dataclass(kw_only=True)

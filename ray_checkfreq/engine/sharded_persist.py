@@ -32,7 +32,7 @@ from ray_checkfreq.storage.tree import KeyPath, flatten_state
 
 SKELETON_FORMAT = 1
 _FIRST_POLL_S = 0.005
-_LONGEST_POLL_S = 0.5
+_LONGEST_POLL_S = 0.05  # rank 0 learns of the commit late by at most this: its next checkpoint may wait for it
 
 
 def rank_key(rank: int, name: str) -> str:

@@ -143,12 +143,13 @@ class StateAdapter(ABC):
         return LocalState(state=walk_state(state, builder), chunks=builder.chunks)
 
     def param_keys(self, model_state: Mapping[str, Any]) -> set[str]:
-        """The keys of ``model_state`` that hold parameters (the rest are buffers), by the
-        identity of the local piece's memory: a DTensor's own ``data_ptr()`` is 0."""
+        """The keys of ``model_state`` that hold parameters (the rest are buffers and a
+        module's ``get_extra_state()``), by the identity of the local piece's memory: a
+        DTensor's own ``data_ptr()`` is 0."""
         pointers = {_local(p).data_ptr() for p in self.model.parameters() if _local(p).numel()}
         names = {name for name, _ in self.model.named_parameters()}
-        return {key for key, value in model_state.items()
-                if (_local(value).data_ptr() in pointers if _local(value).numel() else key in names)}
+        return {key for key, value in model_state.items() if isinstance(value, torch.Tensor)
+                and (_local(value).data_ptr() in pointers if _local(value).numel() else key in names)}
 
     def restore_targets(self) -> list[TensorChunk]:
         """The chunks ``apply`` will hand to ``fill``, in order (lazily made optimizer state
