@@ -33,7 +33,8 @@ PEER_RESTORE_TARGET = 3.0  # restore from a peer copy at least this many times f
 RESTORE_REPEATS = 5
 FIT_TIMEOUT_S = 3600.0
 RESTORE_LABELS = {"slot": "own slot (/dev/shm on its node)", "peer": "peer copy (next node's agent)",
-                  "storage": "storage (ShardedStore, page cache)"}
+                  "storage": "storage (ShardedStore, page cache)",
+                  "storage cold": "storage, page cache dropped (as on a new node)"}
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -82,7 +83,8 @@ def intro(settings: Settings) -> str:
             "cf.step() plus the fence waits. Wall: to the last checkpoint durable (cf.flush()). Peak RSS: VmHWM reset "
             "before each variant (slot pages this rank wrote count). Restores: every rank, after the last round's "
             f"'{job.PEER}' and one more untimed checkpoint, {RESTORE_REPEATS} repeats after an untimed one; "
-            "storage is this machine's page cache, which favours it.")
+            "storage twice: as this machine's page cache holds it, and with its files dropped from the page cache "
+            "(fsync, POSIX_FADV_DONTNEED) as a restart on a new node finds it.")
 
 
 # ------------------------------------------------------------------ figures
@@ -136,9 +138,12 @@ def restore_figures(gathered: list[list[dict]]) -> dict:
 
 
 def targets(restore: dict) -> dict:
+    """Against storage as a restart on a new node finds it (not in its page cache); against
+    the page cache too."""
     kinds = restore["kinds"]
-    ratio = kinds["storage"]["median_s"] / kinds["peer"]["median_s"]
-    return {"peer_faster_than_storage_x": ratio, "peer_restore_met": ratio >= PEER_RESTORE_TARGET}
+    ratio = kinds["storage cold"]["median_s"] / kinds["peer"]["median_s"]
+    return {"peer_faster_than_storage_x": ratio, "peer_restore_met": ratio >= PEER_RESTORE_TARGET,
+            "peer_faster_than_page_cache_x": kinds["storage"]["median_s"] / kinds["peer"]["median_s"]}
 
 
 # ------------------------------------------------------------------ the table
@@ -163,9 +168,9 @@ def table(figures: dict) -> str:
         lines.append(f"| {name} | {stalls[0]} | {stalls[1]} | "
                      f"{ms(entry['slowdown_s_per_checkpoint'])} | {100 * extra:+.1f} % | "
                      f"{'/'.join(str(c) for c in entry['checkpoints'])} | {_copies(entry)} | {mib_per_rank(entry)} |")
-    storage_s = restore["kinds"]["storage"]["median_s"]
+    storage_s = restore["kinds"]["storage cold"]["median_s"]
     lines += ["", f"| restore of step {restore['step']}, every rank | median (slowest rank) | repeats | per rank "
-              "(median) | iteration loaded | x faster than storage |", "|---|---|---|---|---|---|"]
+              "(median) | iteration loaded | x faster than storage (dropped) |", "|---|---|---|---|---|---|"]
     for kind, entry in restore["kinds"].items():
         lines.append(f"| {RESTORE_LABELS[kind]} | {ms(entry['median_s'])} | "
                      f"{', '.join(ms(s) for s in entry['seconds'])} | "
@@ -177,9 +182,10 @@ def table(figures: dict) -> str:
               f"{'not measured' if copy_s is None else ms(copy_s)} (median of each run's last)",
               f"baseline wall per round: {', '.join(f'{w:.2f} s' for w in variants[job.BASELINE]['wall_s'])}",
               f"target: restore from a peer copy at least {PEER_RESTORE_TARGET:.0f}x faster than from storage "
-              f"(slowest rank): {aims['peer_faster_than_storage_x']:.1f}x, "
-              f"{'met' if aims['peer_restore_met'] else 'not met'} (storage is the local page cache here, "
-              "which favours storage; a peer copy crosses the object store between simulated nodes)",
+              f"(slowest rank; local disk, page cache dropped): {aims['peer_faster_than_storage_x']:.1f}x, "
+              f"{'met' if aims['peer_restore_met'] else 'not met'}; from the page cache "
+              f"{aims['peer_faster_than_page_cache_x']:.1f}x (a peer copy crosses the object store between simulated "
+              "nodes of this machine)",
               f"load average (1 min) before / after: {load['before']:.2f} / {load['after']:.2f}",
               f"whole run: {figures['wall_s']:.1f} s"]
     return "\n".join(lines)

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.ray_bench_job import end_agents
+from benchmarks.restore import drop_page_cache
 from benchmarks.sharded_job import Settings, build, peak_rss_bytes, reset_peak_rss, rss_bytes, train_step
 
 BASELINE = "none"
 PEER = "ours (peer copies)"
 NO_PEER = "ours (no peer copies)"
 VARIANTS = (BASELINE, PEER, NO_PEER)
-RESTORE_KINDS = ("slot", "peer", "storage")
+RESTORE_KINDS = ("slot", "peer", "storage", "storage cold")
 COPY_WAIT_S = 120.0
 
 
@@ -91,7 +92,7 @@ def run_variant(name: str, settings: Settings, *, rank: int, work_dir: str, numb
     newest = _checkpoint_for_restores(cf, model, opt, settings) if restores is not None else None
     cf.close()  # nothing of the run's engine competes with the restores
     if restores is not None and newest is not None:
-        figures["restores"] = _time_restores(cf, settings, restores, *newest)
+        figures["restores"] = _time_restores(cf, settings, {**restores, "storage": storage}, *newest)
     end_agents(cf.run)
     if rank == 0:
         shutil.rmtree(storage, ignore_errors=True)
@@ -131,8 +132,9 @@ def _checkpoint_for_restores(cf: Any, model: torch.nn.Module, opt: torch.optim.O
 
 
 def _time_restores(cf: Any, settings: Settings, restores: dict, step: int, sources: dict) -> dict:
-    """On every rank: its own slot, its peer copy on the next node and storage, in rotating
-    order, ``repeats`` times each after an untimed round, into one fresh model."""
+    """On every rank: its own slot, its peer copy on the next node and storage (as the page
+    cache holds it, and with its files dropped from it), in rotating order, ``repeats``
+    times each after an untimed round, into one fresh model."""
     from ray_checkfreq.engine import CheckFreq as Engine
     from ray_checkfreq.engine import CheckFreqConfig, EngineSeams
     from ray_checkfreq.ray.decisions import BroadcastDecisions
@@ -147,6 +149,8 @@ def _time_restores(cf: Any, settings: Settings, restores: dict, step: int, sourc
     for repeat in range(-1, restores["repeats"]):  # repeat -1: untimed, each source's first-read costs
         shift = repeat % len(RESTORE_KINDS)
         for kind in RESTORE_KINDS[shift:] + RESTORE_KINDS[:shift]:
+            if kind == "storage cold":
+                drop_page_cache(restores["storage"])  # every rank: each reads other ranks' files too
             dist.barrier()
             start = time.perf_counter()
             iteration = _restore(kind, engine, cf, sources, step)
@@ -197,7 +201,7 @@ def _restore(kind: str, engine: Any, cf: Any, sources: dict, step: int) -> int:
     """What a restart at the same world size does on each rank for that source (a collective)."""
     from ray_checkfreq.ray.shard_copies import read_rank_source
 
-    if kind == "storage":
+    if kind in ("storage", "storage cold"):
         return int(engine.load_sharded(step))
     state = read_rank_source(sources[kind], run=cf.run, node_id=cf.node_id)
     why = engine.rank_snapshot_mismatch(state)

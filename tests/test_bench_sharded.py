@@ -79,7 +79,8 @@ def test_ray_smoke_run_measures_both_ours_variants_and_every_restore_source(tmp_
     assert set(restore["kinds"]) == set(ray_job.RESTORE_KINDS)
     for kind, entry in restore["kinds"].items():
         assert entry["iterations"] == [6] and entry["median_s"] > 0, kind
-    assert set(figures["targets"]) == {"peer_faster_than_storage_x", "peer_restore_met"}
+    assert set(figures["targets"]) == {"peer_faster_than_storage_x", "peer_restore_met",
+                                       "peer_faster_than_page_cache_x"}
     assert "target: restore from a peer copy at least 3x faster than from storage" in done.stdout
     assert "whole run:" in done.stdout
 

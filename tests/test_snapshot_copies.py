@@ -7,6 +7,7 @@ against a mock ``torch.cuda``.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from unittest import mock
@@ -18,7 +19,8 @@ from state_strategies import assert_same_state
 from ray_checkfreq import CheckFreq, CheckpointStore
 from ray_checkfreq.chaos import CountingOptimizer, torn_iterations
 from ray_checkfreq.engine.devices import CudaOps
-from ray_checkfreq.engine.snapshot import Snapshotter
+from ray_checkfreq.engine.snapshot import CopyHandle, Snapshotter
+from ray_checkfreq.engine.threads import BACKGROUND_NICE
 from ray_checkfreq.storage.tree import leaves_of
 
 
@@ -248,3 +250,24 @@ def test_cuda_fence_and_mark_use_each_devices_current_stream():
     mark = ops.mark("cuda:0")
     cuda.current_stream.assert_called_with("cuda:0")
     mark.record.assert_called_once_with(cuda.current_stream.return_value)
+
+
+class _PriorityProbe:
+    """A copy target that records the nice value of the thread copying into it."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+
+def test_the_host_copy_thread_runs_below_trainings_cpu_priority():
+    snapshotter = Snapshotter("cpu")
+    probe, handle = _PriorityProbe(), CopyHandle()
+    try:
+        snapshotter._host.submit([(torch.zeros(1), probe)], handle)
+        handle.fence()
+        assert probe.seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)]
+    finally:
+        snapshotter.close()

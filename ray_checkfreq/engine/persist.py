@@ -12,7 +12,6 @@ of taking cores from it. Threads it starts (the store's writers) inherit the pri
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ray_checkfreq.engine.snapshot import Snapshot
+from ray_checkfreq.engine.threads import BACKGROUND_NICE, lower_thread_priority
 from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
-PERSIST_NICE = 10
+PERSIST_NICE = BACKGROUND_NICE
 
 
 class PersistError(CheckFreqError):
@@ -171,17 +171,6 @@ class PersistWorker(PersistThread):
         ref = self.store.save(snapshot.step, snapshot.state, epoch_boundary=snapshot.epoch_boundary, **options)
         return Saved(codec=str(options.get("codec", self.store.config.codec)), stored_bytes=ref.size_bytes,
                      uri=ref.uri)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raise this thread's nice value by ``nice`` (Linux: per thread); best effort."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as err:
-        logger.debug("persist thread keeps its priority: %s", err)
 
 
 class Persister(Protocol):

@@ -6,7 +6,9 @@ host thread for host memory) while the next forward/backward runs, and the fence
 the next ``optimizer.step()`` makes every such device wait for them. Everything else
 (module buffers such as BatchNorm statistics, which forward passes update, scheduler,
 data iterator and RNG states) is copied when the snapshot starts, ahead of any later
-work. A snapshot is therefore never a mix of two iterations.
+work. A snapshot is therefore never a mix of two iterations. The host thread runs below
+training's CPU priority (engine/threads.py): on cores that training keeps busy it takes
+what training leaves, and the fence holds the next update until it has finished.
 
 A snapshot may be held open (``CopyHandle.hold``) until the next iteration starts, for
 ``Snapshotter.refresh`` to copy the parts that user code may change between ``cf.step()``
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from ray_checkfreq.engine.devices import CudaOps, DeviceOps
+from ray_checkfreq.engine.threads import BACKGROUND_NICE, lower_thread_priority
 from ray_checkfreq.storage.tree import ContainerRebuilder, KeyPath, leaves_of, walk_state
 
 Layout = list[tuple[KeyPath, tuple[int, ...], torch.dtype]]
@@ -118,6 +121,7 @@ class HostCopier:
         self._jobs.put((pairs, handle))
 
     def _run(self) -> None:
+        lower_thread_priority(BACKGROUND_NICE)  # training's threads first; the fence bounds how late it may end
         while True:
             job = self._jobs.get()
             if job is None:
