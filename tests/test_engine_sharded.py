@@ -490,3 +490,47 @@ def test_a_ranks_own_snapshot_loads_back_only_where_its_pieces_fit(tmp_path: Pat
     assert checks["no record"] == "it has no sharding record"
     assert "saved by AdamW, loading into SGD" in checks["optimizer"]
     _assert_same(jobs.load_arrays(tmp_path / "loaded.npz"), jobs.load_arrays(tmp_path / "saved.npz"))
+
+
+class _CommitsLate:
+    """A store whose step is committed at the ``commit_at``-th ``try_commit`` (never: None)."""
+
+    def __init__(self, commit_at: int | None) -> None:
+        self.commit_at = commit_at
+        self.calls = 0
+
+    def try_commit(self, step: int) -> Any:
+        from ray_checkfreq.storage.sharded_store import CommitResult
+
+        self.calls += 1
+        done = self.commit_at is not None and self.calls >= self.commit_at
+        return CommitResult(committed=done, by_me=False, missing_ranks=() if done else (1,))
+
+
+def _polling_worker(store: Any, pauses: list[float], now: list[float]) -> ShardedPersistWorker:
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        now[0] += seconds
+
+    return ShardedPersistWorker(store, rank=0, world_size=2, commit_wait_s=2.0, sleep=sleep, clock=lambda: now[0])
+
+
+def test_rank0_polls_the_commit_backing_off_to_50_ms_and_names_the_missing_ranks_at_the_deadline():
+    """Rank 0's next checkpoint waits for its persist, which waits for the commit: a poll
+    later than 50 ms after the last part landed would be stall."""
+    pauses: list[float] = []
+    store = _CommitsLate(commit_at=12)
+    worker = _polling_worker(store, pauses, [0.0])
+    try:
+        first = store.try_commit(7)
+        assert worker._wait_for_commit(7, first).committed and store.calls == 12
+    finally:
+        worker.close()
+    assert pauses[:4] == pytest.approx([0.005, 0.01, 0.02, 0.04]) and max(pauses) == pytest.approx(0.05)
+    never = _CommitsLate(commit_at=None)
+    worker = _polling_worker(never, [], [0.0])
+    try:
+        with pytest.raises(PersistError, match=r"commit_wait_s=2 s: ranks \[1\]"):
+            worker._wait_for_commit(7, never.try_commit(7))
+    finally:
+        worker.close()
