@@ -191,3 +191,20 @@ def test_a_dtensor_placed_anew_over_the_same_memory_is_built_again() -> None:
     weight._spec = dataclasses.replace(weight._spec, tensor_meta=taller)
     with pytest.raises(UnsupportedStateError, match="inp.weight"):
         views.take()
+
+
+def test_a_state_dict_hook_that_copies_keeps_no_plan_and_every_view_has_the_values_of_now() -> None:
+    model, opt = _training()
+
+    def copies(module: torch.nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        state[f"{prefix}scale"] = state[f"{prefix}scale"].clone()
+
+    model._register_state_dict_hook(copies)
+    views = LocalViews(state_adapter(model, opt))
+    for _ in range(2):
+        with torch.no_grad():
+            model.scale.add_(1.0)
+        view = views.take()
+        assert torch.equal(view.state["model"]["scale"], model.scale)
+        view.release()
+    assert (views.builds, views.reuses) == (2, 0)

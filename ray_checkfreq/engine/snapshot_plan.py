@@ -176,9 +176,11 @@ class _Plan:
         for tensor, path in zip(tensors, paths):
             slot = by_geometry.get(_geometry(tensor))
             container = _container(view.state, path)
-            if slot is None or container is None:
-                why = "a tuple" if slot is not None else "not the memory of a parameter, buffer or optimizer state"
-                return None, f"the tensor at {'/'.join(map(str, path))} is in {why}"
+            where = "/".join(map(str, path))
+            if slot is None:
+                return None, f"the tensor at {where} is not the memory of a parameter, buffer or optimizer state"
+            if container is None:
+                return None, f"the tensor at {where} is in a container other than a dict or list"
             slots.append(slot)
             holes.append((container, path[-1]))
         group_keys, why_groups = _group_keys(view.state["optimizer"].get("param_groups", []), optimizer)
