@@ -111,7 +111,8 @@ class Executor:
         self._warned_unseen = False
         self._warned_lr = False
         self._lrs_at_step: list[float | None] | None = None  # without fetch hooks: to notice a later scheduler step
-        self.local_views: LocalViews | None = None  # sharded mode: the view each snapshot copies from
+        # Sharded mode: the view each snapshot copies from.
+        self.local_views = LocalViews(sharded.adapter) if sharded is not None else None
 
     @property
     def busy(self) -> bool:
@@ -189,11 +190,6 @@ class Executor:
         self.persist.wait_idle()
         self.persist.submit(snapshot)
 
-    def _views_of(self, mode: ShardedMode) -> LocalViews:
-        if self.local_views is None:
-            self.local_views = LocalViews(mode.adapter)
-        return self.local_views
-
     def _require_sharded(self) -> ShardedMode:
         if self.sharded is None:
             raise RuntimeError("a sharded restore is for a sharded model (DTensor parameters)")
@@ -253,8 +249,8 @@ class Executor:
         self.stats.add_checkpoint_stall(spent)
 
     def _take_snapshot(self, epoch_boundary: bool, rng: Any) -> Snapshot:
-        if self.sharded is not None:
-            return self._take_sharded_snapshot(self._views_of(self.sharded), epoch_boundary, rng)
+        if self.local_views is not None:
+            return self._take_sharded_snapshot(self.local_views, epoch_boundary, rng)
         live_state = self.state
         model, optimizer = live_state.model, live_state.optimizer
         param_ptrs = {p.data_ptr() for p in model.parameters()}
@@ -304,8 +300,8 @@ class Executor:
 
     def _optimizer_groups(self) -> Any:
         """The optimizer's hyper-parameter groups as its snapshot holds them."""
-        if self.sharded is not None:
-            return self._views_of(self.sharded).param_groups()
+        if self.local_views is not None:
+            return self.local_views.param_groups()
         return self.state.optimizer.state_dict()["param_groups"]
 
     # ------------------------------------------------- around the iterations

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
-from ray_checkfreq.storage.tree import METADATA, KeyPath, StateVisitor, walk_state
+from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, scalar_paths
+from ray_checkfreq.storage.tree import METADATA, KeyPath
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
@@ -232,28 +232,9 @@ def _group_keys(groups: list[Mapping[str, Any]],
     return found, ""
 
 
-class _ScalarPaths(StateVisitor[None]):
-    def __init__(self) -> None:
-        self.paths: list[KeyPath] = []
-
-    def leaf(self, path: KeyPath, name: str, value: Any) -> None:
-        return None
-
-    def scalar(self, path: KeyPath, name: str, value: Any) -> None:
-        self.paths.append(path)
-
-    def mapping(self, path: KeyPath, name: str, value: Mapping, items: list, metadata: Any) -> None:
-        return None
-
-    def sequence(self, path: KeyPath, name: str, value: list | tuple, items: list) -> None:
-        return None
-
-
 def _odd_scalar(state: Mapping[str, Any]) -> str | None:
     """The first non-tensor leaf outside the model's ``_metadata`` and the param groups."""
-    visitor = _ScalarPaths()
-    walk_state(state, visitor)
-    for path in visitor.paths:
+    for path in scalar_paths(state):
         allowed = (path[0] == "model" and METADATA in path) or path[:2] == ("optimizer", "param_groups")
         if not allowed:
             return "/".join(map(str, path))

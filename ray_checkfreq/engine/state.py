@@ -312,16 +312,18 @@ class _RestoreBuilder(ContainerRebuilder):
 
 
 class _PathCollector(StateVisitor[None]):
-    """Every leaf's and scalar's path, by name."""
+    """Every leaf's and scalar's path, by name, and the scalars' paths in order."""
 
     def __init__(self) -> None:
         self.names: dict[str, KeyPath] = {}
+        self.scalars: list[KeyPath] = []
 
     def leaf(self, path: KeyPath, name: str, value: Any) -> None:
         self.names[name] = path
 
     def scalar(self, path: KeyPath, name: str, value: Any) -> None:
         self.names[name] = path
+        self.scalars.append(path)
 
     def mapping(self, path: KeyPath, name: str, value: Mapping, items: list, metadata: Any) -> None:
         return None
@@ -334,6 +336,13 @@ def _paths(state: Any) -> dict[str, KeyPath]:
     collector = _PathCollector()
     walk_state(state, collector)
     return collector.names
+
+
+def scalar_paths(state: Any) -> list[KeyPath]:
+    """The path of every non-tensor leaf (None, bool, int, float, str) of ``state``, in order."""
+    collector = _PathCollector()
+    walk_state(state, collector)
+    return collector.scalars
 
 
 def _check_same_structure(target: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
