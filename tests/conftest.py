@@ -181,6 +181,7 @@ TIERS = {
         "test_hostile_store.py", "test_engine_sharded.py", "test_engine_sharded_policy.py",
         "test_shared_policy.py",
         "test_ray_registration.py",
+        "test_backend_contract.py",
     ),
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",

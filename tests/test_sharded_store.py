@@ -240,11 +240,12 @@ def commit_at_once(stores: list[ShardedStore], step: int, state: dict) -> tuple[
     return results, errors
 
 
-def test_ranks_committing_a_step_at_once_without_a_conditional_create_all_succeed(tmp_path):
+def test_without_a_conditional_create_only_rank_0_creates_the_global_manifest(tmp_path):
     """A pyarrow filesystem without a conditional create (HDFS, say): ranks that find every
-    part at the same moment may each write the global manifest. None may fail: a shared
-    temporary name once made one rank's rename fail ("commit failed"), and its training
-    with it, though the step was committed."""
+    part at the same moment must not each write the global manifest through a check and a
+    write. Only the writer of rank 0 creates it; the others fail nothing (a shared temporary
+    name once made one rank's rename fail, and its training with it) and report the step
+    committed only once it is."""
     from ray_checkfreq.chaos.holds import holding_filesystem
     from ray_checkfreq.storage.backends.arrowfs import ArrowBackend
 
@@ -256,11 +257,15 @@ def test_ranks_committing_a_step_at_once_without_a_conditional_create_all_succee
     generation = first.acquire_writer()
     stores = [first, *(ShardedStore(root, filesystem=plain, keep_last=2, writer_generation=generation)
                        for _ in range(WORLD - 1))]
+    assert not first.backend.atomic_exclusive_create
     for step in range(1, 16):
         results, errors = commit_at_once(stores, step, state)
         assert errors == [], (step, errors)
-        assert all(result.committed for result in results.values()), (step, results)
+        assert results[0].committed and results[0].by_me, (step, results)
+        assert not any(results[rank].by_me for rank in range(1, WORLD)), (step, results)
+        assert all(result.committed or not result.missing_ranks for result in results.values()), (step, results)
         assert first.latest().step == step
+        assert stores[1].try_commit(step).committed  # a rank polling later finds rank 0's commit
     assert [ref.step for ref in first.list()] == [14, 15]
     assert not list((tmp_path / "store").rglob("*.tmp"))
     assert_loads(first, 15, state, WORLD)

@@ -152,7 +152,7 @@ def test_a_shard_that_lands_short_fails_the_save_and_keeps_the_only_intact_check
         original_write(rel_path, [bytes(memoryview(chunks[0])[:10])])
 
     store.backend.write = torn_write
-    with pytest.raises(StorageError, match="missing or short after the commit") as info:
+    with pytest.raises(StorageError, match="missing or short before the commit") as info:
         store.save(2, {"x": torch.ones(1000)})
     store.backend.write = original_write
     assert "step-000000000002-" in str(info.value)

@@ -35,10 +35,11 @@ class StoredEntry:
     files: dict[str, int]
     manifest: Manifest | None = None
     fault: CorruptCheckpointError | None = None
+    abandoned: bool = False  # its manifest name holds an abandon record (commit.py)
 
     @property
     def committed(self) -> bool:
-        return MANIFEST_NAME in self.files
+        return MANIFEST_NAME in self.files and not self.abandoned
 
     @property
     def trimmed(self) -> bool:

@@ -6,26 +6,29 @@ Layout: the directories of ``CheckpointStore`` (``step-<step>-g<generation>-<8 h
 ``part-r<first rank>-<token>-<n>.bin``, then, exclusively, its part manifest
 ``part-r<first rank>.json``. Format and fields: ``sharded_manifest``.
 
-Commit protocol (invariants, docs/format.md "Sharded checkpoints"):
+Commit protocol (invariants, docs/format.md "Sharded checkpoints"; the rules every
+directory follows are ``commit.py``'s):
 
 1. A part manifest is created only after its data files are durable, exclusively, and
    only by a writer whose generation is still the newest (checked right before).
-2. ``try_commit``: a writer fenced by a newer generation withdraws its part (manifest
-   first, then data files; never in a committed directory) and raises
+2. ``try_commit``: a writer fenced by a newer generation withdraws its part (under an
+   abandon record, ``commit.claim``: never in a committed directory) and raises
    ``FencedWriterError``. Otherwise it lists the directory; if the part manifests cover
    ranks ``0..world_size-1`` exactly once, every data file they list is there at its
    recorded size and every tensor's chunks tile it exactly once, it checks the fence
    again and creates ``manifest.json`` exclusively. So there is exactly one commit (the
-   create is exclusive; a loser finds the manifest and reports it), and never a global
-   manifest with a part missing. After the create it lists again and undoes the commit if
-   a file vanished (a newer writer's housekeeping between its check and its create).
+   create is exclusive; a loser finds the manifest and reports it committed only once it
+   reads it and finds every file), and never a global manifest with a part missing. A
+   created manifest is final (``commit.settle_created`` names the one exception). Where
+   the storage has no atomic exclusive create, only the writer of rank 0 creates it.
 3. A directory's generation is its writers': a writer of an older generation cannot add a
    part to a newer generation's step (its parts go to its own directory, and its fence
    check fails), cannot commit it, and cannot hide it: checkpoints are ordered by
    (generation, step, commit time) and housekeeping never touches a newer generation.
-4. Only the writer that *just committed* step ``s`` runs housekeeping: it deletes
+4. Only the writer that *just committed* step ``s`` runs housekeeping: it removes
    manifest-less directories of older generations and of its own with a smaller step
-   (another writer of ``g`` may still be writing a later step), and applies retention.
+   (every writer of ``g`` finished its commits of those before it wrote its part of ``s``),
+   and applies retention; never a step ``protected_steps`` names.
 5. ``salvage``: a new generation commits an old generation's directory whose parts are
    all there but whose committer died, under the directory's generation, when no
    checkpoint of a newer generation than that directory's is committed.
@@ -42,7 +45,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,7 @@ from ray_checkfreq.errors import (
     FencedWriterError,
     StorageError,
 )
-from ray_checkfreq.storage import fencing, metadata_docs
+from ray_checkfreq.storage import commit, fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -63,6 +65,7 @@ from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.encoding import EncodeOptions, encode_leaf
 from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.parallel import map_on_threads
 from ray_checkfreq.storage.retention import protected_steps_now
 from ray_checkfreq.storage.sharded_load import BoxReader
 from ray_checkfreq.storage.sharded_manifest import (
@@ -82,6 +85,7 @@ from ray_checkfreq.storage.sharded_manifest import (
     is_sharded_manifest,
     merge_parts,
     part_file_name,
+    part_manifest_name,
 )
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 
@@ -91,6 +95,8 @@ MiB = 1024 * 1024
 ALIGN_BYTES = 64
 _ZEROS = bytes(BLOCK)
 MAX_SKELETON_BYTES = 16 * MiB
+# A loser of the commit reads the winner's manifest at most this often before it gives up.
+_MANIFEST_READS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +166,15 @@ class CommitResult:
     ref: ShardedRef | None = None
 
 
+@dataclass(frozen=True)
+class _OwnPart:
+    """What this writer wrote of one step: its part manifest, data files and ranks."""
+
+    manifest: str
+    files: builtins.list[str]
+    ranks: tuple[int, ...]
+
+
 @dataclass
 class _Dir:
     name: str
@@ -167,10 +182,11 @@ class _Dir:
     generation: int
     files: dict[str, int]
     manifest: ShardedManifest | None = None
+    abandoned: bool = False  # its manifest name holds an abandon record (commit.py)
 
     @property
     def committed(self) -> bool:
-        return GLOBAL_MANIFEST_NAME in self.files
+        return GLOBAL_MANIFEST_NAME in self.files and not self.abandoned
 
     def intact(self) -> bool:
         return self.manifest is not None and _missing_files(self.manifest, self.files) == []
@@ -229,7 +245,7 @@ class ShardedStore:
         self.uri = self.backend.root_uri
         self._generation = writer_generation
         self._lock = threading.Lock()
-        self._own: dict[int, tuple[str, list[str]]] = {}  # step -> (part manifest, data files) written here
+        self._own: dict[int, _OwnPart] = {}  # step -> what this writer wrote of it
         self._decoded = _ManifestMemo()
 
     def __repr__(self) -> str:
@@ -303,27 +319,43 @@ class ShardedStore:
             _check_chunk(chunk, set(ranks))
         generation = self._require_generation()
         with self._lock:
-            self._check_fence(generation)
             name = self.dir_name(step)
-            self._ensure_dir(name)
             token = uuid.uuid4().hex[:8]
             written: list[str] = []
+            part_tried = False
             try:
+                self._check_fence(generation)
+                self._ensure_dir(name)
                 files, records = self._write_data(name, ranks[0], token, chunks, options, written)
                 part = PartManifest(step=step, writer_generation=generation, world_size=world_size, ranks=ranks,
                                     epoch_boundary=bool(epoch_boundary), created_unix_ns=time.time_ns(),
                                     files=files, chunks=records, skeletons=checked)
                 self._check_fence(generation)
                 path = f"{name}/{part.name}"
+                part_tried = True
                 if not self.backend.create_exclusive(path, encode_part(part)):
+                    part_tried = False  # the part there is another writer's: not ours to remove
                     raise StorageError(self.backend.uri(path), "a part for these ranks is there already: two "
                                        "writers of one generation claim the same ranks?")
             except BaseException as err:
-                self._delete_files(name, written)
+                part_file = part_manifest_name(ranks[0]) if part_tried else None
+                self._abandon_part(name, written, part_file, generation)
                 fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
                 raise
-            self._own[step] = (part.name, written)
+            self._own[step] = _OwnPart(part.name, written, ranks)
         return part
+
+    def _abandon_part(self, name: str, written: Sequence[str], part_file: str | None, generation: int) -> None:
+        """Remove what a failed ``save_part`` wrote. Data files no part manifest lists are
+        this writer's alone; once its part manifest may exist, a committer may be counting
+        on them, so they go under an abandon record (``commit.claim``)."""
+        try:
+            if part_file is None:
+                self._delete_files(name, written)
+            else:
+                self._remove_own(name, [part_file, *written], generation)
+        except Exception as err:  # the failure that got us here matters more; housekeeping retries
+            logger.warning("could not remove the partial part in %s: %s", self.backend.uri(name), err)
 
     def _ensure_dir(self, name: str) -> None:
         """The step's directory, made by whichever writer comes first."""
@@ -333,15 +365,21 @@ class ShardedStore:
             if name not in self.backend.list_dirs():
                 raise
 
+    def _remove_own(self, name: str, files: Sequence[str], generation: int) -> None:
+        """Delete this writer's ``files`` of ``name`` under an abandon record, then the
+        record: unless the directory is committed (then they are a checkpoint's)."""
+        if not commit.claim(self.backend, name, generation):
+            return
+        self._delete_files(name, files)
+        self.backend.delete_file(commit.manifest_path(name))
+
     def _write_data(self, name: str, first_rank: int, token: str, chunks: Sequence[ChunkSource],
                     options: EncodeOptions, written: list[str]) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
         groups = _pack(chunks, self.config.part_file_bytes)
         threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
-        with ThreadPoolExecutor(threads, thread_name_prefix="rcf-part") as pool:
-            results = list(pool.map(
-                lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options,
-                                              written),
-                enumerate(groups)))
+        results = map_on_threads(
+            lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options, written),
+            list(enumerate(groups)), threads, "rcf-part")
         files = tuple(f for f, _ in results)
         records = tuple(r for _, rs in results for r in rs)
         return files, records
@@ -395,13 +433,20 @@ class ShardedStore:
                 self._withdraw(step, name)
                 raise
             try:
-                result = self._commit_dir(name, step, generation, fence=generation)
+                result = self._commit_dir(name, step, generation, fence=generation,
+                                          may_create=self._may_create(step))
             except Exception as err:
                 self._withdraw_if_fenced(err, step, name, generation)
                 raise
             if result.by_me:
                 self._housekeeping_after(name, step, generation)
         return result
+
+    def _may_create(self, step: int) -> bool:
+        """Whether this writer may create the global manifest: any writer where the create
+        is atomic; else only rank 0's (check-then-write must not race between writers)."""
+        own = self._own.get(step)
+        return self.backend.atomic_exclusive_create or (own is not None and 0 in own.ranks)
 
     def _housekeeping_after(self, name: str, step: int, generation: int) -> None:
         """Housekeeping after a durable commit: its failure (another committer removing the
@@ -415,23 +460,24 @@ class ShardedStore:
         """A commit that failed because a newer generation took over (its housekeeping removed
         files under it, say): withdraw this writer's part and raise ``FencedWriterError``."""
         try:
+            if isinstance(err, FencedWriterError):
+                raise err
             fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
         except FencedWriterError:
             self._withdraw(step, name)
             raise
 
     def _withdraw(self, step: int, name: str) -> None:
-        """Remove this writer's part of ``step`` (manifest first), unless already committed."""
+        """Remove this writer's part of ``step``, unless the directory is committed."""
         own = self._own.pop(step, None)
-        if own is None or self.backend.exists(f"{name}/{GLOBAL_MANIFEST_NAME}"):
-            return
-        part_name, files = own
-        self._delete_files(name, [part_name, *files])
+        if own is not None:
+            self._remove_own(name, [own.manifest, *own.files], self._require_generation())
 
-    def _commit_dir(self, name: str, step: int, generation: int, *, fence: int) -> CommitResult:
+    def _commit_dir(self, name: str, step: int, generation: int, *, fence: int,
+                    may_create: bool = True) -> CommitResult:
         files = self.backend.list_files(name)
         if GLOBAL_MANIFEST_NAME in files:
-            return CommitResult(committed=True, by_me=False, ref=self._ref(name, self._read_global(name)))
+            return self._existing_commit(name)
         parts = self._read_parts(name, files, step, generation)
         if not parts:
             return CommitResult(committed=False, by_me=False, missing_ranks=())
@@ -446,17 +492,46 @@ class ShardedStore:
         lost = _missing_files(manifest, files)
         if lost:
             raise StorageError(self.backend.uri(name), f"files {lost[:8]} missing or short: not committed")
+        if not may_create:
+            return CommitResult(committed=False, by_me=False)
         self._check_fence(fence)
-        path = f"{name}/{GLOBAL_MANIFEST_NAME}"
-        if not self.backend.create_exclusive(path, encode_global(manifest)):
-            return CommitResult(committed=True, by_me=False, ref=self._ref(name, self._read_global(name)))
-        lost = _missing_files(manifest, self.backend.list_files(name))
-        if lost:
-            self.backend.delete_file(path)  # uncommit: never a manifest without its parts
-            raise StorageError(self.backend.uri(name), f"files {lost[:8]} missing or short after the commit "
-                               "(removed by a newer writer?); the commit was undone")
+        if not self.backend.create_exclusive(commit.manifest_path(name), encode_global(manifest)):
+            return self._existing_commit(name)
+        emptied = commit.settle_created(self.backend, name, _expected_files(manifest), generation)
+        if emptied:
+            self._raise_emptied(name, generation, fence, emptied)
         logger.info("%s: committed sharded step %d (%d parts)", self.uri, step, len(parts))
         return CommitResult(committed=True, by_me=True, ref=self._ref(name, manifest))
+
+    def _raise_emptied(self, name: str, generation: int, fence: int, emptied: builtins.list[str]) -> None:
+        """A manifest created over files a newer generation had removed (commit.py, rule 2)."""
+        newest = fencing.newest_marker(self.backend)
+        if fence == generation:
+            raise FencedWriterError(self.uri, generation, newest)
+        raise StorageError(self.backend.uri(name), f"files {emptied[:8]} were removed by generation {newest}: "
+                           "not salvaged")
+
+    def _existing_commit(self, name: str) -> CommitResult:
+        """The step as another writer left it: committed only where its manifest reads and
+        every file it lists is there; an abandon record or a removed manifest is no commit."""
+        path = commit.manifest_path(name)
+        for attempt in range(_MANIFEST_READS):
+            try:
+                data = self.backend.read_small(path)
+            except FileNotFoundError:
+                return CommitResult(committed=False, by_me=False)
+            if commit.is_abandon_record(data):
+                return CommitResult(committed=False, by_me=False)
+            try:
+                manifest = self._checked_global(name, data)
+            except CorruptCheckpointError:
+                if attempt + 1 == _MANIFEST_READS:
+                    raise
+                continue
+            if _missing_files(manifest, self.backend.list_files(name)):
+                return CommitResult(committed=False, by_me=False)
+            return CommitResult(committed=True, by_me=False, ref=self._ref(name, manifest))
+        raise AssertionError("unreachable")
 
     def _read_parts(self, name: str, files: dict[str, int], step: int,
                     generation: int) -> list[tuple[PartManifest, int, int]]:
@@ -498,7 +573,8 @@ class ShardedStore:
             self._check_fence(generation)
             dirs = self._scan()
             newest_committed = max((d.generation for d in dirs if d.manifest is not None), default=0)
-            candidates = sorted((d for d in dirs if not d.committed and newest_committed <= d.generation < generation),
+            candidates = sorted((d for d in dirs if not d.committed and not d.abandoned
+                                 and newest_committed <= d.generation < generation),
                                 key=_Dir.order_key, reverse=True)
             for entry in candidates:
                 try:
@@ -515,15 +591,14 @@ class ShardedStore:
 
     # ------------------------------------------------------------ housekeeping
     def _housekeeping(self, just_committed: str, step: int, generation: int) -> None:
-        dirs = self._scan()
-        for entry in dirs:
-            if not entry.committed and (entry.generation < generation
-                                        or (entry.generation == generation and entry.step < step)):
-                logger.info("removing interrupted sharded save %s", self.backend.uri(entry.name))
-                self.backend.delete_dir(entry.name)
         protected = self._protected()
         if protected is None:
-            return
+            return  # the pointers are unknown: keeping too much is safe, deleting one is not
+        dirs = self._scan()
+        for entry in dirs:
+            if not entry.committed and entry.step not in protected \
+                    and (entry.generation < generation or (entry.generation == generation and entry.step < step)):
+                self._remove_interrupted(entry, generation)
         committed = sorted((d for d in dirs if d.manifest is not None), key=_Dir.order_key)
         keep = {just_committed} | {d.name for d in committed if d.step in protected}
         kept_intact = 0
@@ -536,8 +611,15 @@ class ShardedStore:
             keep |= {d.name for d in committed if d.manifest is not None and d.manifest.epoch_boundary and d.intact()}
         for entry in committed:
             if entry.name not in keep and entry.generation <= generation:
-                self.backend.delete_file(f"{entry.name}/{GLOBAL_MANIFEST_NAME}")  # uncommit first
-                self.backend.delete_dir(entry.name)
+                commit.remove_committed(self.backend, entry.name, generation)
+        self.backend.clean_staging(commit.STALE_STAGING_S)
+
+    def _remove_interrupted(self, entry: _Dir, generation: int) -> None:
+        logger.info("removing interrupted sharded save %s", self.backend.uri(entry.name))
+        if entry.abandoned:
+            commit.finish_removal(self.backend, entry.name)  # its remover died on the way
+        else:
+            commit.remove_uncommitted(self.backend, entry.name, generation)
 
     def _protected(self) -> set[int] | None:
         return protected_steps_now(self.protected_steps, self.uri)
@@ -550,7 +632,8 @@ class ShardedStore:
             parsed = parse_checkpoint_dir(name)
             if parsed is None:
                 continue
-            entry = _Dir(name=name, step=parsed[0], generation=parsed[1], files=files)
+            entry = _Dir(name=name, step=parsed[0], generation=parsed[1], files=files,
+                         abandoned=commit.holds_abandon_record(self.backend, name, files))
             if read_manifests and entry.committed:
                 entry.manifest = self._try_read_global(entry)
             dirs.append(entry)
@@ -667,10 +750,14 @@ class ShardedStore:
         self.backend.close()
 
 
+def _expected_files(manifest: ShardedManifest) -> dict[str, int]:
+    expected = {p.name: p.size_bytes for p in manifest.parts}
+    expected.update((f.name, f.size_bytes) for p in manifest.parts for f in p.files)
+    return expected
+
+
 def _missing_files(manifest: ShardedManifest, files: Mapping[str, int]) -> builtins.list[str]:
-    expected = [(p.name, p.size_bytes) for p in manifest.parts]
-    expected += [(f.name, f.size_bytes) for p in manifest.parts for f in p.files]
-    return [name for name, size in expected if files.get(name) != size]
+    return [name for name, size in _expected_files(manifest).items() if files.get(name) != size]
 
 
 def _pack(chunks: Sequence[ChunkSource], file_bytes: int) -> builtins.list[builtins.list[ChunkSource]]:

@@ -3,26 +3,26 @@
 Layout under the root URI: one directory per checkpoint,
 ``step-<12 digits>-g<writer generation>-<8 hex>``, holding shard files and
 ``manifest.json``; ``writers/`` holds one marker per writer generation (see ``fencing``).
-Commit protocol (invariants):
+Commit protocol (invariants; the rules every directory follows are ``commit.py``'s):
 
 1. Shards are new files in a new directory (a random suffix, so a re-saved step never
    touches the files of an earlier save of that step).
 2. The manifest is written last, after every shard is durable, with an exclusive create;
-   a directory without a manifest is not a checkpoint.
+   a directory without a manifest is not a checkpoint. A created manifest is final
+   (``commit.settle_created`` names the one exception: a newer writer emptied the
+   directory before it appeared).
 3. Writer fencing. A store that saves holds a writer generation, newer than every one
    taken before on its URI (taken at its first save or by ``acquire_writer``; reading
    never takes one). A save checks for a newer generation before writing and again
    right before the commit, and raises ``FencedWriterError`` (committing nothing) when
-   there is one. After the commit it checks its shards are still there and undoes the
-   commit otherwise (a newer writer removed the directory while this one was between
-   its check and its commit).
+   there is one.
 4. Checkpoints are ordered by (writer generation, step, commit time, name): a stale
    writer's commit that slips through the window between check and commit still sorts
    below every checkpoint of the newer writer, so it never becomes the latest over them.
 5. Housekeeping never touches a newer writer's checkpoints or in-flight directories. It
-   removes in-flight directories of its own or older generations: an older writer is
-   fenced from the moment this one took its generation (before it looked), and one that
-   had passed its last check already undoes its own commit (3).
+   removes in-flight directories of its own or older generations under an abandon record
+   (``commit.claim``): an older writer that passed its last check before this one took
+   its generation either commits first (and its directory stays) or finds the record.
 6. Retention runs only after the new manifest is durable, deletes a checkpoint's
    manifest before its shards (an interrupted delete leaves an uncommitted directory,
    never a committed one with holes), stops counting at ``keep_last`` checkpoints whose
@@ -45,7 +45,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +56,7 @@ from ray_checkfreq.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from ray_checkfreq.storage import fencing, metadata_docs
+from ray_checkfreq.storage import commit, fencing, metadata_docs
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
@@ -76,6 +75,7 @@ from ray_checkfreq.storage.manifest import (
     encode_manifest,
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
+from ray_checkfreq.storage.parallel import map_on_threads
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
 from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
@@ -355,11 +355,9 @@ class CheckpointStore:
         self.backend.make_dir(name)
         plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
         threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
-        with ThreadPoolExecutor(threads, thread_name_prefix="rcf-write") as pool:
-            results = list(pool.map(
-                lambda item: self._write_shard(name, item[0], item[1], flat, options, base, known_crcs),
-                plan.items()
-            ))
+        results = map_on_threads(
+            lambda item: self._write_shard(name, item[0], item[1], flat, options, base, known_crcs),
+            list(plan.items()), threads, "rcf-write")
         tensors = sorted((t for entries, _ in results for t in entries), key=lambda t: t[0])
         entries = tuple(entry for _, entry in tensors)
         manifest = Manifest(
@@ -379,15 +377,18 @@ class CheckpointStore:
         return manifest
 
     def _commit(self, name: str, manifest: Manifest) -> None:
-        path = f"{name}/{MANIFEST_NAME}"
+        path = commit.manifest_path(name)
+        shards = {s.name: s.size_bytes for s in manifest.shards}
+        files = self.backend.list_files(name)
+        short = [shard for shard, size in shards.items() if files.get(shard) != size]
+        if short:  # checked before the create: a created manifest is final
+            raise StorageError(self.backend.uri(name), f"shards {short} missing or short before the commit: "
+                               "not committed")
         if not self.backend.create_exclusive(path, encode_manifest(manifest)):
             raise StorageError(self.backend.uri(path), "a manifest is there already: two writers share a generation?")
-        files = self.backend.list_files(name)
-        missing = [s.name for s in manifest.shards if files.get(s.name) != s.size_bytes]
-        if missing:
-            self.backend.delete_file(path)  # uncommit: never leave a manifest without its shards
-            raise StorageError(self.backend.uri(name), f"shards {missing} missing or short after the commit "
-                               "(removed by another writer?); the commit was undone")
+        generation = self._generation or 0
+        if commit.settle_created(self.backend, name, shards, generation):
+            raise FencedWriterError(self.uri, generation, fencing.newest_marker(self.backend))
 
     def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any,
                      options: EncodeOptions, base: _DeltaBase | None, known_crcs: list[int | None] | None) -> tuple:
@@ -424,10 +425,17 @@ class CheckpointStore:
 
     # ------------------------------------------------------------ housekeeping
     def _delete_leftovers(self, entries: builtins.list[StoredEntry]) -> None:
+        protected = self._protected()
+        if protected is None:
+            return  # the pointers are unknown: keeping too much is safe, deleting one is not
         for entry in entries:
-            if not entry.committed and removable(entry, self._generation):
+            if not entry.committed and removable(entry, self._generation) and entry.step not in protected:
                 logger.info("removing interrupted save %s", self.backend.uri(entry.name))
-                self.backend.delete_dir(entry.name)
+                if entry.abandoned:
+                    commit.finish_removal(self.backend, entry.name)  # its remover died on the way
+                else:
+                    commit.remove_uncommitted(self.backend, entry.name, self._generation or 0)
+        self.backend.clean_staging(commit.STALE_STAGING_S)
 
     def _apply_retention(self, just_saved: str) -> None:
         """Execute ``plan_retention`` over the committed checkpoints."""
@@ -499,8 +507,7 @@ class CheckpointStore:
 
     def _delete(self, name: str) -> None:
         # Uncommit first: an interrupted delete must not leave a manifest without shards.
-        self.backend.delete_file(f"{name}/{MANIFEST_NAME}")
-        self.backend.delete_dir(name)
+        commit.remove_committed(self.backend, name, self._generation or 0)
 
     def delete(self, ref_or_step: CheckpointRef | int) -> None:
         """Delete one committed checkpoint (manifest first)."""
@@ -521,6 +528,7 @@ class CheckpointStore:
             parsed = parse_checkpoint_dir(name)
             if parsed is not None:  # any other name is not a checkpoint: ignored
                 entry = StoredEntry(name=name, step=parsed[0], generation=parsed[1], files=files)
+                entry.abandoned = commit.holds_abandon_record(self.backend, name, files)
                 if read_manifests and entry.committed:
                     self._read_manifest_into(entry)
                 entries.append(entry)
@@ -670,11 +678,9 @@ class CheckpointStore:
         for index, tensor in enumerate(manifest.tensors):
             by_shard.setdefault(tensor.shard, []).append(index)
         leaves: list[Any] = [None] * len(manifest.tensors)
-        with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="rcf-read") as pool:
-            jobs = [pool.submit(self._read_shard, ref, manifest, s, idx, leaves, build, bases, check_stored)
-                    for s, idx in by_shard.items()]
-            for job in jobs:
-                job.result()
+        map_on_threads(lambda item: self._read_shard(ref, manifest, item[0], item[1], leaves, build, bases,
+                                                     check_stored),
+                       list(by_shard.items()), self.config.io_threads, "rcf-read")
         return manifest, leaves
 
     def _read_base(self, ref: CheckpointRef, manifest: Manifest, *, build: bool) -> dict[str, Any]:

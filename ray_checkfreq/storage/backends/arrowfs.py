@@ -6,17 +6,24 @@ Durability is what the filesystem promises once an output stream is closed: a co
 upload on S3 and GCS, the block pipeline's acknowledgement on HDFS. A local
 ``pyarrow.fs.LocalFileSystem`` never gets here: ``open_backend`` hands it to the POSIX
 backend, which fsyncs. pyarrow has no conditional create, so ``create_exclusive`` is the
-base class's check-then-write.
+base class's check-then-write (``atomic_exclusive_create`` is False): the sharded store
+then lets only the writer of rank 0 create a step's global manifest. Temporary names (for
+the move of filesystems that are not object stores) are staged at the root
+(``listing.staging_name``), outside every step directory.
 """
 
 from __future__ import annotations
 
-import uuid
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
+from ray_checkfreq.storage.backends.listing import is_staged, staging_name, store_dirs
+
+# A listing that fails because an entry vanished under it is taken again, at most this often.
+_LISTING_ATTEMPTS = 5
 
 _OBJECT_STORES = frozenset({"s3", "gcs"})
 
@@ -34,20 +41,44 @@ class ArrowBackend(Backend):
         from pyarrow import fs as pafs
 
         selector = pafs.FileSelector(self._path(rel_dir), allow_not_found=True, recursive=False)
-        try:
-            return self.fs.get_file_info(selector)
-        except OSError as err:
-            raise StorageError(self.uri(rel_dir), f"cannot list: {err}") from err
+        for attempt in range(_LISTING_ATTEMPTS):
+            try:
+                return self.fs.get_file_info(selector)
+            except FileNotFoundError:
+                # pyarrow stats every entry it reads: one that vanished fails the whole call.
+                if attempt + 1 == _LISTING_ATTEMPTS:
+                    raise StorageError(self.uri(rel_dir), "cannot list: entries kept vanishing") from None
+            except OSError as err:
+                raise StorageError(self.uri(rel_dir), f"cannot list: {err}") from err
+        return []
 
     def list_dirs(self) -> list[str]:
         from pyarrow import fs as pafs
 
-        return [i.base_name for i in self._infos("") if i.type == pafs.FileType.Directory]
+        return store_dirs(i.base_name for i in self._infos("") if i.type == pafs.FileType.Directory)
+
+    def stat_size(self, rel_path: str) -> int | None:
+        from pyarrow import fs as pafs
+
+        try:
+            info = self.fs.get_file_info(self._path(rel_path))
+        except OSError as err:
+            raise StorageError(self.uri(rel_path), f"cannot stat: {err}") from err
+        return info.size if info.type == pafs.FileType.File else None
 
     def list_files(self, rel_dir: str) -> dict[str, int]:
         from pyarrow import fs as pafs
 
         return {i.base_name: i.size for i in self._infos(rel_dir) if i.type == pafs.FileType.File}
+
+    def clean_staging(self, older_than_s: float) -> None:
+        from pyarrow import fs as pafs
+
+        cutoff = time.time() - older_than_s
+        for info in self._infos(""):
+            if is_staged(info.base_name) and info.type == pafs.FileType.File and info.mtime is not None \
+                    and info.mtime.timestamp() < cutoff:
+                self._delete_quietly(info.base_name)
 
     def _type(self, rel: str) -> Any:
         try:
@@ -90,7 +121,7 @@ class ArrowBackend(Backend):
             return
         # A name of its own: writers racing for one name (ranks committing one step where the
         # create is not conditional) must not move each other's temporary files.
-        tmp = f"{rel_path}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = staging_name()
         self.write(tmp, [data])
         try:
             self.fs.move(self._path(tmp), self._path(rel_path))

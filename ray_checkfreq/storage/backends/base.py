@@ -4,6 +4,10 @@ Paths are relative to the root and use "/". A backend translates its own failure
 into ``StorageError`` naming the file, and promises durability where it says so:
 ``write`` returns only once the bytes are durable (fsync / completed upload), and
 ``write_atomic`` makes a whole small file appear at once or not at all.
+
+Listings keep the contract of ``listing.py``: complete as of some moment, a file that
+vanishes while listed is skipped (never the whole listing), ``{}`` only for a directory
+that is not there, and no temporary file inside a listed directory.
 """
 
 from __future__ import annotations
@@ -17,21 +21,39 @@ class Backend(ABC):
     root_uri: str
     # At most this many shard files written at once (None: the store's io_threads).
     max_parallel_writes: int | None = None
+    # Whether ``create_exclusive`` is one atomic conditional create (a link, a conditional
+    # PUT); False where it is a check followed by a write, a race between writers.
+    atomic_exclusive_create: bool = False
 
     def uri(self, rel: str) -> str:
         return f"{self.root_uri.rstrip('/')}/{rel}" if rel else self.root_uri
 
     @abstractmethod
     def list_dirs(self) -> list[str]:
-        """Names of the directories (prefixes) directly under the root."""
+        """Names of the directories (prefixes) directly under the root, the staging area
+        excepted."""
 
     @abstractmethod
     def list_files(self, rel_dir: str) -> dict[str, int]:
-        """``{name: size_bytes}`` of the files directly in ``rel_dir`` ({} if none)."""
+        """``{name: size_bytes}`` of the files directly in ``rel_dir``: complete as of some
+        moment; a file that vanishes meanwhile is skipped; {} only if ``rel_dir`` holds no
+        file or does not exist (``listing.py``)."""
 
     def list_tree(self) -> dict[str, dict[str, int]]:
-        """``{dir: {name: size_bytes}}`` for every directory directly under the root."""
+        """``{dir: {name: size_bytes}}`` for every directory directly under the root, each
+        listed under the contract of ``list_files`` (a directory removed meanwhile: {})."""
         return {name: self.list_files(name) for name in self.list_dirs()}
+
+    def stat_size(self, rel_path: str) -> int | None:
+        """The size of the file ``rel_path`` asked of the storage directly (a stat, a HEAD),
+        not through a listing; None if it is not there."""
+        parent, _, name = rel_path.rpartition("/")
+        return self.list_files(parent).get(name)
+
+    def clean_staging(self, older_than_s: float) -> None:
+        """Remove staged temporary files older than ``older_than_s`` (a writer killed
+        between staging and linking left them); backends that stage nothing do nothing."""
+        return None
 
     @abstractmethod
     def make_dir(self, rel_dir: str) -> None:

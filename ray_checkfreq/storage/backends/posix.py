@@ -1,17 +1,24 @@
-"""Local (POSIX) storage: exclusive create, fsync, rename or link, directory fsync."""
+"""Local (POSIX) storage: exclusive create, fsync, rename or link, directory fsync.
+
+Temporary files are staged at the root (``listing.staging_name``), on the same filesystem,
+and linked or renamed into place: a step directory never holds one, so no listing of it
+can see a temporary name come and go.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
-import uuid
+import stat
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
 from ray_checkfreq.storage.backends.direct import DirectWriter, enable_direct
+from ray_checkfreq.storage.backends.listing import is_staged, sizes_of, staging_name, store_dirs
 
 # Files at least this large are written around the page cache (backends/direct.py); a
 # smaller one costs little to copy, and the manifest must stay buffered (read back at once).
@@ -23,6 +30,7 @@ class PosixBackend(Backend):
     # persist takes from training (96 MiB in 2 shards, 4 threads against 1: the same wall
     # time, about 110 against 65 ms of system CPU).
     max_parallel_writes = 1
+    atomic_exclusive_create = True
 
     def __init__(self, root: str, *, direct_io: bool = True) -> None:
         self.root = os.path.abspath(root)
@@ -45,7 +53,7 @@ class PosixBackend(Backend):
     def list_dirs(self) -> list[str]:
         try:
             with os.scandir(self.root) as entries:
-                return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+                return store_dirs(e.name for e in entries if e.is_dir(follow_symlinks=False))
         except FileNotFoundError:
             return []
         except OSError as err:
@@ -55,12 +63,50 @@ class PosixBackend(Backend):
         if not self._inside_root(self._path(rel_dir)):
             return {}  # reached through a symlink out of the store: none of its files
         try:
-            with os.scandir(self._path(rel_dir)) as entries:
-                return {e.name: e.stat().st_size for e in entries if e.is_file(follow_symlinks=False)}
+            with os.scandir(self._path(rel_dir)) as found:
+                entries = {e.name: e for e in found}
+            # Only the directory's absence means {}: an entry that vanishes is skipped (listing.py).
+            return sizes_of(entries, lambda name: _file_size(entries[name]))
         except FileNotFoundError:
             return {}
         except OSError as err:
             raise _storage_error(self._path(rel_dir), "cannot list", err) from err
+
+    def stat_size(self, rel_path: str) -> int | None:
+        try:
+            st = os.stat(self._path(rel_path), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise _storage_error(self._path(rel_path), "cannot stat", err) from err
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _write_staged(self, data: bytes) -> str:
+        """``data`` in a new durable temporary file at the root; its path."""
+        self._writable_dir(self.root)
+        os.makedirs(self.root, exist_ok=True)
+        tmp = self._path(staging_name())
+        try:
+            with open(tmp, "xb", buffering=0) as f:
+                _write_all(f, data)
+                os.fsync(f.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def clean_staging(self, older_than_s: float) -> None:
+        cutoff = time.time() - older_than_s
+        try:
+            with os.scandir(self.root) as entries:
+                stale = [e.path for e in entries if is_staged(e.name) and e.is_file(follow_symlinks=False)
+                         and _mtime_or_now(e) < cutoff]
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            raise _storage_error(self.root, "cannot list", err) from err
+        for path in stale:
+            _unlink_quietly(path)
 
     def make_dir(self, rel_dir: str) -> None:
         path = self._path(rel_dir)
@@ -92,33 +138,30 @@ class PosixBackend(Backend):
     def write_atomic(self, rel_path: str, data: bytes) -> None:
         path = self._path(rel_path)
         self._writable_dir(os.path.dirname(path))
-        tmp = path + ".tmp"
+        tmp = ""
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                _write_all(f, data)
-                os.fsync(f.fileno())
+            tmp = self._write_staged(data)
             # Persist the shard entries before the rename can make them reachable.
             _fsync_dir(os.path.dirname(path))
             os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
         except OSError as err:
-            _unlink_quietly(tmp)
+            if tmp:
+                _unlink_quietly(tmp)
             raise _storage_error(path, "commit failed", err) from err
 
     def create_exclusive(self, rel_path: str, data: bytes, *, make_parents: bool = False) -> bool:
         path = self._path(rel_path)
         parent = os.path.dirname(path)
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = ""
         self._writable_dir(parent)
         try:
             if make_parents and not os.path.isdir(parent):
                 os.makedirs(parent, exist_ok=True)
                 _fsync_dir(os.path.dirname(parent))
             # No makedirs otherwise: a directory another writer removed must stay removed.
-            with open(tmp, "xb", buffering=0) as f:
-                _write_all(f, data)
-                os.fsync(f.fileno())
+            tmp = self._write_staged(data)
             _fsync_dir(parent)
             try:
                 os.link(tmp, path)  # atomic, and fails if the name exists: rename would replace
@@ -129,7 +172,8 @@ class PosixBackend(Backend):
             _fsync_dir(parent)
             return True
         except OSError as err:
-            _unlink_quietly(tmp)
+            if tmp:
+                _unlink_quietly(tmp)
             raise _storage_error(path, "commit failed", err) from err
 
     def exists(self, rel_path: str) -> bool:
@@ -192,6 +236,20 @@ def _write_all(f: Any, data: Any) -> None:
     while view.nbytes:
         written = f.write(view)
         view = view[written:]
+
+
+def _file_size(entry: os.DirEntry) -> int | None:
+    """A regular file's size; None for anything else; FileNotFoundError if it vanished."""
+    if not entry.is_file(follow_symlinks=False):
+        return None
+    return entry.stat(follow_symlinks=False).st_size
+
+
+def _mtime_or_now(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return time.time()
 
 
 def _fsync_dir(path: str) -> None:

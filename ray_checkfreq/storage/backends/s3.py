@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage.backends.base import Backend, uninitialized_buffer
+from ray_checkfreq.storage.backends.listing import is_staged, store_dirs
 
 logger = logging.getLogger("ray_checkfreq.storage")
 MiB = 1024 * 1024
@@ -84,6 +85,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 class S3Backend(Backend):
+    # A conditional PutObject (If-None-Match: *); a server without one is detected (501) and
+    # warned about once (``_warn_unconditional``).
+    atomic_exclusive_create = True
+
     def __init__(self, uri: str, options: S3Options | None = None) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -118,7 +123,7 @@ class S3Backend(Backend):
                 Bucket=self.bucket, Prefix=prefix, Delimiter="/"
             ):
                 names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return names
+        return store_dirs(names)
 
     def list_files(self, rel_dir: str) -> dict[str, int]:
         prefix = self._dir_prefix(rel_dir)
@@ -128,7 +133,9 @@ class S3Backend(Backend):
                 Bucket=self.bucket, Prefix=prefix, Delimiter="/"
             ):
                 for obj in page.get("Contents", []):
-                    files[obj["Key"][len(prefix):]] = obj["Size"]
+                    name = obj["Key"][len(prefix):]
+                    if name:  # not the directory marker pyarrow's create_dir leaves ("<dir>/")
+                        files[name] = obj["Size"]
         return files
 
     def list_tree(self) -> dict[str, dict[str, int]]:
@@ -139,8 +146,11 @@ class S3Backend(Backend):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
                 for obj in page.get("Contents", []):
                     parts = obj["Key"][len(prefix):].split("/")
-                    if len(parts) == 2 and parts[0] and parts[1]:
-                        tree.setdefault(parts[0], {})[parts[1]] = obj["Size"]
+                    if len(parts) < 2 or not parts[0] or is_staged(parts[0]):
+                        continue
+                    files = tree.setdefault(parts[0], {})  # a directory holding only deeper keys: {}
+                    if len(parts) == 2 and parts[1]:
+                        files[parts[1]] = obj["Size"]
         return tree
 
     def make_dir(self, rel_dir: str) -> None:
@@ -205,6 +215,14 @@ class S3Backend(Backend):
         """One GetObject (``read`` spends a HEAD and a ranged transfer on it)."""
         with _translated(self.uri(rel_path), "read"):
             return self.client.get_object(Bucket=self.bucket, Key=self._key(rel_path))["Body"].read()
+
+    def stat_size(self, rel_path: str) -> int | None:
+        """One HeadObject: the object's size as S3 has it now, not as a listing saw it."""
+        try:
+            with _translated(self.uri(rel_path), "stat"):
+                return int(self.client.head_object(Bucket=self.bucket, Key=self._key(rel_path))["ContentLength"])
+        except FileNotFoundError:
+            return None
 
     def exists(self, rel_path: str) -> bool:
         try:
