@@ -67,6 +67,10 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
     add_chaos_parser(sub)
 
+    from ray_checkfreq.chaos.commit_sim.cli import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
+
     bench = sub.add_parser("bench", help="run a benchmark (from a repository checkout: benchmarks/)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name in BENCHMARK_NAMES:

@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.manifest import MANIFEST_NAME
+from ray_checkfreq.storage.names import parse_checkpoint_dir
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
 # Staged temporary files older than this are a killed writer's: housekeeping removes them.
 STALE_STAGING_S = 3600.0
+# A listing whose committed manifest vanished before it was read (a retention at work) is
+# out of date: it is taken again, at most this often, so that latest() never answers from
+# a view that was never true (an older checkpoint, or none, while a newer one stood).
+RESCANS = 4
 _RECORD_KEY = "ray_checkfreq_abandoned_by_generation"
 _MAX_RECORD_BYTES = 128
 
@@ -64,6 +69,22 @@ def holds_abandon_record(backend: Backend, name: str, files: Mapping[str, int]) 
         return is_abandon_record(backend.read_small(manifest_path(name)))
     except FileNotFoundError:
         return False
+
+
+def read_listed_manifest(backend: Backend, name: str) -> bytes:
+    """The manifest a listing saw in ``name``. FileNotFoundError where it is gone since, or an
+    abandon record took its name: the listing is out of date (a retention removed it)."""
+    data = backend.read_small(manifest_path(name))
+    if is_abandon_record(data):
+        raise FileNotFoundError(backend.uri(manifest_path(name)))
+    return data
+
+
+def new_step_dirs(backend: Backend, listed: Iterable[str]) -> bool:
+    """Whether a step directory exists now that a listing did not show: a save began (and
+    maybe committed, and a retention removed what the listing found) while it ran."""
+    known = set(listed)
+    return any(name not in known and parse_checkpoint_dir(name) is not None for name in backend.list_dirs())
 
 
 def manifest_path(name: str) -> str:

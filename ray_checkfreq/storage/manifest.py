@@ -17,6 +17,7 @@ from typing import Any
 from ray_checkfreq.codec import MAX_EXPANSION
 from ray_checkfreq.codec.nearlossless import MAX_FACTOR_LOG2
 from ray_checkfreq.storage.arrays import LeafSpec, numpy_dtype, torch_dtype
+from ray_checkfreq.storage.canonical_json import dumps_indented
 from ray_checkfreq.storage.names import CHECKPOINT_DIR, MAX_GENERATION, MAX_STEP
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs
@@ -110,7 +111,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def _dump(body: dict) -> bytes:
-    return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
+    return dumps_indented(body)
 
 
 def _tensor_json(entry: TensorEntry) -> dict:

@@ -36,6 +36,7 @@ class StoredEntry:
     manifest: Manifest | None = None
     fault: CorruptCheckpointError | None = None
     abandoned: bool = False  # its manifest name holds an abandon record (commit.py)
+    vanished: bool = False  # its manifest was listed, then gone when read
 
     @property
     def committed(self) -> bool:

@@ -19,7 +19,6 @@ exactly once and each tensor's chunks cover the tensor exactly once (``check_til
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 from ray_checkfreq.codec import MAX_EXPANSION
 from ray_checkfreq.storage.arrays import LeafSpec, numpy_dtype, torch_dtype
+from ray_checkfreq.storage.canonical_json import dumps_indented
 from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, check_tiling
 from ray_checkfreq.storage.manifest import (
     CHECKSUM_ALGORITHM,
@@ -228,7 +228,7 @@ def _signed(body: dict) -> bytes:
 
 
 def _dump(body: dict) -> bytes:
-    return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
+    return dumps_indented(body)
 
 
 # ------------------------------------------------------------------ decoding
@@ -255,6 +255,13 @@ def decode_part(data: bytes, *, name: str | None = None) -> PartManifest:
 
 def decode_global(data: bytes) -> ShardedManifest:
     """Parse and check a global manifest; raises ManifestError with the reason."""
+    return _decode_global(bytes(data))
+
+
+# A decode is a function of the bytes alone and its result is immutable: the same bytes
+# read again (every listing reads every committed manifest) are not checked again.
+@functools.lru_cache(maxsize=16)
+def _decode_global(data: bytes) -> ShardedManifest:
     body = _checked_body(data, KIND_SHARDED)
     world_size = _world_size(body)
     parts = tuple(_part_entry(raw, world_size) for raw in _list(body, "parts"))
@@ -271,6 +278,11 @@ def decode_global(data: bytes) -> ShardedManifest:
 
 def is_sharded_manifest(data: bytes) -> bool:
     """Whether ``data`` claims to be a format version 3 global manifest (not checked)."""
+    return _claims_sharded(bytes(data))
+
+
+@functools.lru_cache(maxsize=16)
+def _claims_sharded(data: bytes) -> bool:
     try:
         body = parse_stored_json(data, max_bytes=MAX_MANIFEST_BYTES)
     except StoredJsonError:

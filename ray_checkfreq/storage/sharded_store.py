@@ -46,7 +46,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ray_checkfreq.errors import (
     CheckFreqError,
@@ -92,6 +92,7 @@ from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
+Decoded = TypeVar("Decoded")
 ALIGN_BYTES = 64
 _ZEROS = bytes(BLOCK)
 MAX_SKELETON_BYTES = 16 * MiB
@@ -196,26 +197,27 @@ class _Dir:
         return (self.generation, self.step, created, self.name)
 
 
-class _ManifestMemo:
-    """Decoded global manifests by directory and content digest. A committed manifest never
-    changes, and decoding one (parsed, then encoded twice to check it) takes ~0.1 s at a few
-    thousand chunks: without the memo a restore decoded each one at every listing."""
+class _ManifestMemo(Generic[Decoded]):
+    """Decoded manifests by path and content digest. A manifest's bytes never change under
+    its name unless it is replaced, and decoding one (parsed, then encoded twice to check
+    it) takes ~0.1 s at a few thousand chunks: without the memo a restore decoded each
+    global manifest at every listing, and rank 0's commit poll every part at every poll."""
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
-        self._entries: OrderedDict[str, tuple[bytes, ShardedManifest]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[bytes, Decoded]] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
     def _digest(data: bytes) -> bytes:
         return hashlib.blake2b(data, digest_size=16).digest()
 
-    def get(self, name: str, data: bytes) -> ShardedManifest | None:
+    def get(self, name: str, data: bytes) -> Decoded | None:
         with self._lock:
             hit = self._entries.get(name)
         return hit[1] if hit is not None and hit[0] == self._digest(data) else None
 
-    def put(self, name: str, data: bytes, manifest: ShardedManifest) -> None:
+    def put(self, name: str, data: bytes, manifest: Decoded) -> None:
         with self._lock:
             self._entries[name] = (self._digest(data), manifest)
             self._entries.move_to_end(name)
@@ -246,7 +248,8 @@ class ShardedStore:
         self._generation = writer_generation
         self._lock = threading.Lock()
         self._own: dict[int, _OwnPart] = {}  # step -> what this writer wrote of it
-        self._decoded = _ManifestMemo()
+        self._decoded: _ManifestMemo[ShardedManifest] = _ManifestMemo()
+        self._decoded_parts: _ManifestMemo[PartManifest] = _ManifestMemo(64)
 
     def __repr__(self) -> str:
         return f"ShardedStore({self.uri!r}, writer_generation={self._generation})"
@@ -340,7 +343,8 @@ class ShardedStore:
             except BaseException as err:
                 part_file = part_manifest_name(ranks[0]) if part_tried else None
                 self._abandon_part(name, written, part_file, generation)
-                fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
+                if isinstance(err, Exception):
+                    self._withdraw_if_fenced(err, generation)
                 raise
             self._own[step] = _OwnPart(part.name, written, ranks)
         return part
@@ -430,14 +434,16 @@ class ShardedStore:
             try:
                 self._check_fence(generation)
             except FencedWriterError:
-                self._withdraw(step, name)
+                self._withdraw()
                 raise
             try:
                 result = self._commit_dir(name, step, generation, fence=generation,
                                           may_create=self._may_create(step))
             except Exception as err:
-                self._withdraw_if_fenced(err, step, name, generation)
+                self._withdraw_if_fenced(err, generation)
                 raise
+            if result.committed:
+                self._own.pop(step, None)  # a checkpoint's files now, never withdrawn
             if result.by_me:
                 self._housekeeping_after(name, step, generation)
         return result
@@ -456,22 +462,25 @@ class ShardedStore:
         except (CheckFreqError, OSError) as err:
             logger.warning("%s committed; removing older checkpoints failed: %s", self.backend.uri(name), err)
 
-    def _withdraw_if_fenced(self, err: Exception, step: int, name: str, generation: int) -> None:
+    def _withdraw_if_fenced(self, err: Exception, generation: int) -> None:
         """A commit that failed because a newer generation took over (its housekeeping removed
-        files under it, say): withdraw this writer's part and raise ``FencedWriterError``."""
+        files under it, say): withdraw this writer's parts and raise ``FencedWriterError``."""
         try:
             if isinstance(err, FencedWriterError):
                 raise err
             fencing.raise_if_fenced(err, lambda: self._check_fence(generation))
         except FencedWriterError:
-            self._withdraw(step, name)
+            self._withdraw()
             raise
 
-    def _withdraw(self, step: int, name: str) -> None:
-        """Remove this writer's part of ``step``, unless the directory is committed."""
-        own = self._own.pop(step, None)
-        if own is not None:
-            self._remove_own(name, [own.manifest, *own.files], self._require_generation())
+    def _withdraw(self) -> None:
+        """A fenced writer leaves nothing: it removes the directory of every step of its own
+        it saw uncommitted, under an abandon record. No writer of its generation can commit
+        there any more; a salvage that wins the record first keeps it committed."""
+        generation = self._require_generation()
+        for step in sorted(self._own):
+            del self._own[step]
+            commit.remove_uncommitted(self.backend, self.dir_name(step), generation)
 
     def _commit_dir(self, name: str, step: int, generation: int, *, fence: int,
                     may_create: bool = True) -> CommitResult:
@@ -542,7 +551,7 @@ class ShardedStore:
                 raise CorruptCheckpointError(location, f"{files[file]} bytes, more than {MAX_MANIFEST_BYTES}")
             try:
                 data = self.backend.read_small(f"{name}/{file}")
-                part = decode_part(data, name=file)
+                part = self._decode_part(f"{name}/{file}", data)
             except FileNotFoundError:
                 raise CorruptCheckpointError(location, "part manifest disappeared while reading") from None
             except ManifestError as err:
@@ -562,6 +571,13 @@ class ShardedStore:
                                                  f"{seen[rank]} and {part.name}")
                 seen[rank] = part.name
         return parts
+
+    def _decode_part(self, path: str, data: bytes) -> PartManifest:
+        part = self._decoded_parts.get(path, data)
+        if part is None:
+            part = decode_part(data, name=path.rpartition("/")[2])
+            self._decoded_parts.put(path, data, part)
+        return part
 
     # ------------------------------------------------------------ salvage
     def salvage(self) -> ShardedRef | None:
@@ -596,8 +612,10 @@ class ShardedStore:
             return  # the pointers are unknown: keeping too much is safe, deleting one is not
         dirs = self._scan()
         for entry in dirs:
-            if not entry.committed and entry.step not in protected \
-                    and (entry.generation < generation or (entry.generation == generation and entry.step < step)):
+            older = entry.generation < generation or (entry.generation == generation and entry.step < step)
+            # An abandoned directory is no checkpoint a pointer can name; another one is kept
+            # while its step is protected (a pointer names steps, not directories).
+            if older and not entry.committed and (entry.abandoned or entry.step not in protected):
                 self._remove_interrupted(entry, generation)
         committed = sorted((d for d in dirs if d.manifest is not None), key=_Dir.order_key)
         keep = {just_committed} | {d.name for d in committed if d.step in protected}
@@ -625,8 +643,21 @@ class ShardedStore:
         return protected_steps_now(self.protected_steps, self.uri)
 
     # ------------------------------------------------------------ listing
-    def _scan(self, read_manifests: bool = True) -> builtins.list[_Dir]:
-        """Checkpoint directories; ``manifest`` set where a valid v3 global manifest is."""
+    def _scan(self, read_manifests: bool = True, *, settled: bool = False) -> builtins.list[_Dir]:
+        """Checkpoint directories; ``manifest`` set where a valid v3 global manifest is.
+        ``settled``: taken again while a step directory appeared meanwhile (what a reader's
+        answer needs: never a view older than one it could have had; commit.py)."""
+        for attempt in range(commit.RESCANS):
+            last = attempt + 1 == commit.RESCANS
+            try:
+                dirs = self._scan_once(read_manifests, last=last)
+            except FileNotFoundError:
+                continue  # a manifest went between the listing and its read: list again
+            if last or not settled or not commit.new_step_dirs(self.backend, {d.name for d in dirs}):
+                return dirs
+        raise AssertionError("unreachable: the last scan returns")
+
+    def _scan_once(self, read_manifests: bool, *, last: bool) -> builtins.list[_Dir]:
         dirs = []
         for name, files in self.backend.list_tree().items():
             parsed = parse_checkpoint_dir(name)
@@ -635,7 +666,11 @@ class ShardedStore:
             entry = _Dir(name=name, step=parsed[0], generation=parsed[1], files=files,
                          abandoned=commit.holds_abandon_record(self.backend, name, files))
             if read_manifests and entry.committed:
-                entry.manifest = self._try_read_global(entry)
+                try:
+                    entry.manifest = self._try_read_global(entry)
+                except FileNotFoundError:
+                    if not last:
+                        raise
             dirs.append(entry)
         return dirs
 
@@ -644,7 +679,7 @@ class ShardedStore:
         try:
             if entry.files[GLOBAL_MANIFEST_NAME] > MAX_MANIFEST_BYTES:
                 raise CorruptCheckpointError(location, "manifest larger than allowed")
-            data = self.backend.read_small(f"{entry.name}/{GLOBAL_MANIFEST_NAME}")
+            data = commit.read_listed_manifest(self.backend, entry.name)
             known = self._decoded.get(entry.name, data)
             if known is not None:
                 return known
@@ -653,8 +688,6 @@ class ShardedStore:
             manifest = self._checked_global(entry.name, data)
         except CorruptCheckpointError as err:
             logger.warning("skipping sharded checkpoint: %s", err)
-            return None
-        except FileNotFoundError:
             return None
         return manifest
 
@@ -683,7 +716,7 @@ class ShardedStore:
 
     def list(self) -> builtins.list[ShardedRef]:
         """Complete sharded checkpoints (valid global manifest, every file at its size), oldest first."""
-        dirs = sorted((d for d in self._scan() if d.intact()), key=_Dir.order_key)
+        dirs = sorted((d for d in self._scan(settled=True) if d.intact()), key=_Dir.order_key)
         return [self._ref(d.name, d.manifest) for d in dirs if d.manifest is not None]
 
     def latest(self) -> ShardedRef | None:

@@ -429,7 +429,8 @@ class CheckpointStore:
         if protected is None:
             return  # the pointers are unknown: keeping too much is safe, deleting one is not
         for entry in entries:
-            if not entry.committed and removable(entry, self._generation) and entry.step not in protected:
+            if not entry.committed and removable(entry, self._generation) \
+                    and (entry.abandoned or entry.step not in protected):
                 logger.info("removing interrupted save %s", self.backend.uri(entry.name))
                 if entry.abandoned:
                     commit.finish_removal(self.backend, entry.name)  # its remover died on the way
@@ -522,7 +523,20 @@ class CheckpointStore:
             self._delete(name)
 
     # ------------------------------------------------------------------ listing
-    def _scan(self, read_manifests: bool = True) -> builtins.list[StoredEntry]:
+    def _scan(self, read_manifests: bool = True, *, settled: bool = False) -> builtins.list[StoredEntry]:
+        """Checkpoint directories, listed again while a listed manifest vanished before it
+        was read, and (``settled``, a reader's answer) while a step directory appeared
+        meanwhile: never a view older than one a reader could have had (commit.py)."""
+        for attempt in range(commit.RESCANS):
+            entries = self._scan_once(read_manifests)
+            if attempt + 1 == commit.RESCANS:
+                return entries
+            if not any(e.vanished for e in entries) \
+                    and not (settled and commit.new_step_dirs(self.backend, (e.name for e in entries))):
+                return entries
+        raise AssertionError("unreachable: the last scan returns")
+
+    def _scan_once(self, read_manifests: bool) -> builtins.list[StoredEntry]:
         entries = []
         for name, files in self.backend.list_tree().items():
             parsed = parse_checkpoint_dir(name)
@@ -539,7 +553,7 @@ class CheckpointStore:
         try:
             if entry.files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not even read
                 raise ManifestError(f"{entry.files[MANIFEST_NAME]} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-            entry.manifest = decode_manifest(self.backend.read_small(f"{entry.name}/{MANIFEST_NAME}"))
+            entry.manifest = decode_manifest(commit.read_listed_manifest(self.backend, entry.name))
             if entry.manifest.step != entry.step:
                 raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
             if entry.manifest.writer_generation != entry.generation:
@@ -549,12 +563,13 @@ class CheckpointStore:
         except ManifestError as err:
             entry.manifest = None
             entry.fault = CorruptCheckpointError(location, str(err))
-        except FileNotFoundError:
+        except FileNotFoundError:  # the listing is out of date: _scan lists again
             entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
+            entry.vanished = True
 
-    def _committed(self) -> builtins.list[StoredEntry]:
+    def _committed(self, *, settled: bool = False) -> builtins.list[StoredEntry]:
         """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
-        return sorted((e for e in self._scan() if e.committed), key=StoredEntry.order_key)
+        return sorted((e for e in self._scan(settled=settled) if e.committed), key=StoredEntry.order_key)
 
     def list(self) -> builtins.list[CheckpointRef]:
         """Committed checkpoints whose manifest is readable, oldest first.
@@ -563,7 +578,7 @@ class CheckpointStore:
         checkpoints come after every older writer's, whatever their steps.
         """
         refs = []
-        for entry in self._committed():
+        for entry in self._committed(settled=True):
             if entry.manifest is None:
                 logger.warning("skipping checkpoint: %s", entry.fault)
             else:
@@ -584,13 +599,25 @@ class CheckpointStore:
     def latest(self) -> CheckpointRef | None:
         """The newest checkpoint that loads: read, decoded and checked by the very rule
         ``load()`` applies, so ``load()`` returns this checkpoint's state."""
-        for ref in self._newest_first():
-            try:
-                self._read(ref, build=True)  # remembers it as verified
-                return ref
-            except CorruptCheckpointError as err:
-                logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
+        for attempt in range(commit.RESCANS):
+            for ref in self._newest_first():
+                try:
+                    self._read(ref, build=True)  # remembers it as verified
+                    return ref
+                except CorruptCheckpointError as err:
+                    if attempt + 1 < commit.RESCANS and not self._still_committed(ref):
+                        break  # removed while read (a retention at work): the listing is out of date
+                    logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
+            else:
+                return None
         return None
+
+    def _still_committed(self, ref: CheckpointRef) -> bool:
+        try:
+            commit.read_listed_manifest(self.backend, ref.name)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _newest_first(self) -> Iterator[CheckpointRef]:
         """Exact checkpoints, newest first: what a resume may read (never a trimmed copy)."""
