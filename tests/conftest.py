@@ -174,6 +174,7 @@ TIERS = {
         "test_nearlossless_store.py", "test_retention_plan.py", "test_sharded_chunks.py", "test_snapshot_copies.py",
         "test_store_direct.py", "test_store_local.py", "test_store_protected.py", "test_ray_agent.py",
         "test_ray_restart.py", "test_slots.py", "test_chaos_units.py", "test_shard_copies.py", "test_snapshot_plan.py",
+        "test_canonical_json.py", "test_commit_protocol.py",
     ),
     "integration": (
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
@@ -186,6 +187,7 @@ TIERS = {
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
         "test_ray_train.py", "test_ray_train_examples.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py",
+        "test_commit_sim.py",
     ),
     "tooling": (
         "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",

@@ -285,8 +285,8 @@ def test_a_store_on_the_holding_filesystem_stops_inside_the_commit_and_a_kill_th
         time.sleep(0.02)
     marker = holds.inside(control, "commit")
     assert marker["pid"] == child.pid and marker["path"].endswith("/manifest.json")
-    # written under a temporary name of its own in the staging area, outside the step directory, not yet moved
-    assert glob.glob(os.path.join(root, ".staging", "*.tmp"))
+    # written under a temporary name of its own, staged at the root outside the step directory, not yet moved
+    assert glob.glob(os.path.join(root, ".staging-*.tmp"))
     assert not glob.glob(os.path.join(os.path.dirname(marker["path"]), "*.tmp"))
     child.kill()
     child.wait()
