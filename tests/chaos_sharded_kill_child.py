@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ray_checkfreq.errors import FencedWriterError, StorageError
+from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.chunks import whole
 from ray_checkfreq.storage.names import parse_checkpoint_dir
 from ray_checkfreq.storage.sharded_manifest import (
@@ -247,7 +248,8 @@ def check_store(root: str, label: str) -> tuple[list[str], ShardedRef | None]:
     problems = [f"{label}: {p}" for ref in refs for p in check_ref(reader, ref)]
     listed = {ref.name for ref in refs}
     for name, files in reader.backend.list_tree().items():
-        if parse_checkpoint_dir(name) is not None and GLOBAL_MANIFEST_NAME in files and name not in listed:
+        if parse_checkpoint_dir(name) is not None and holds_global_manifest(os.path.join(root, name), files) \
+                and name not in listed:
             problems.append(f"{label}: {name} has a global manifest but is incomplete or unreadable: "
                             f"{sorted(files)}")
     return problems, (refs[-1] if refs else None)
@@ -281,7 +283,7 @@ def survey(root: str, generation: int) -> dict[str, int]:
         left["unreadable_parts"] += unreadable
         left["tmp_files"] += sum(n.endswith(".tmp") for n in names)
         left["data_without_part"] += sum(bool(PART_FILE.match(n)) and n not in listed for n in names)
-        if GLOBAL_MANIFEST_NAME not in names:
+        if not holds_global_manifest(path, names):
             left["uncommitted_dirs"] += 1
             left["parts_without_commit"] += sum(bool(PART_MANIFEST.match(n)) for n in names)
     return left
@@ -321,15 +323,28 @@ def dirs_of(root: str, generation: int) -> dict[str, list[str]]:
     return found
 
 
-def new_uncommitted_files(before: dict[str, list[str]], after: dict[str, list[str]]) -> list[str]:
+def new_uncommitted_files(root: str, before: dict[str, list[str]], after: dict[str, list[str]]) -> list[str]:
     """Files in uncommitted directories that were not there ``before``: what a fenced writer
     left behind (a withdrawn part, an emptied directory: nothing)."""
-    return [f"{name}/{file}" for name, files in sorted(after.items()) if GLOBAL_MANIFEST_NAME not in files
+    return [f"{name}/{file}" for name, files in sorted(after.items())
+            if not holds_global_manifest(os.path.join(root, name), files)
             for file in files if file not in before.get(name, [])]
 
 
 def committed_dirs(root: str, generation: int) -> set[str]:
-    return {name for name, files in dirs_of(root, generation).items() if GLOBAL_MANIFEST_NAME in files}
+    return {name for name, files in dirs_of(root, generation).items()
+            if holds_global_manifest(os.path.join(root, name), files)}
+
+
+def holds_global_manifest(path: str, names: Any) -> bool:
+    """A global manifest, not an abandon record (a remover's hold on the name: commit.py)."""
+    if GLOBAL_MANIFEST_NAME not in names:
+        return False
+    try:
+        with open(os.path.join(path, GLOBAL_MANIFEST_NAME), "rb") as f:
+            return not commit.is_abandon_record(f.read())
+    except FileNotFoundError:
+        return False
 
 
 def resume_zombie(root: str, zombie: Writer, label: str) -> tuple[dict, list[str]]:
@@ -353,7 +368,7 @@ def resume_zombie(root: str, zombie: Writer, label: str) -> tuple[dict, list[str
     zombie.conn.close()
     after = ShardedStore(root).list()
     own_new = sorted(committed_dirs(root, zombie.generation) - own_before)
-    left_behind = new_uncommitted_files(dirs_before, dirs_of(root, zombie.generation))
+    left_behind = new_uncommitted_files(root, dirs_before, dirs_of(root, zombie.generation))
     fenced = zombie.said("fenced")
     outcome = {"generation": zombie.generation, "exit": zombie.process.exitcode, "committed_own_old_step": own_new,
                "left_behind": left_behind, "frozen_in": zombie.frozen_in,

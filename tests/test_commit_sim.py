@@ -4,6 +4,8 @@ fix broken on purpose and found within the same budget, and one seed one schedul
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ray_checkfreq.chaos.commit_sim import SimConfig, Workload, report, run_many, run_schedule, shrink
@@ -108,6 +110,28 @@ def test_a_failure_is_reported_with_its_seed_the_smallest_workload_and_its_trace
     assert f"seed {failed.seed}" in text and f"run_schedule({failed.seed}, " in text
     assert "(a)" in text and "trace up to tick" in text
     assert run_schedule(failed.seed, smaller).violations == outcome.violations  # the report reproduces it
+
+
+def test_the_command_runs_schedules_and_reports_them(tmp_path, capsys):
+    from ray_checkfreq.cli import main
+
+    out = tmp_path / "summary.json"
+    assert main(["simulate", "--schedules", "30", "--seed", "500", "--processes", "1", "--json", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["schedules"] == 30 and summary["violations"] == 0 and summary["schedules_per_second"] > 0
+    assert json.loads(out.read_text())["schedules"] == 30
+    assert main(["simulate", "--schedules", "0"]) == 1
+    assert "--schedules and --processes must be >= 1" in capsys.readouterr().err
+
+
+def test_the_command_exits_1_with_the_failing_seed_and_its_trace(monkeypatch, capsys):
+    from ray_checkfreq.cli import main
+
+    _housekeeping_ignores_protection(monkeypatch)
+    assert main(["simulate", "--schedules", "40", "--processes", "1"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["violations"] >= 1
+    assert "reproduce with run_schedule(" in captured.err and "trace up to tick" in captured.err
 
 
 # ------------------------------------------------------------ the simulated storage itself

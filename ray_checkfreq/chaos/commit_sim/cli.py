@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ray_checkfreq.chaos.commit_sim.runner import SimConfig, report, run_many, shrink
@@ -56,11 +57,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     batches = _batches(args.seed, args.schedules, args.processes)
     done, failures = 0, []
-    with multiprocessing.get_context("fork").Pool(args.processes) as pool:
-        for count, failed in pool.imap_unordered(_run_batch, [(first, n, config) for first, n in batches]):
-            done += count
-            failures += failed
-            _progress(done, args.schedules, started, len(failures))
+    for count, failed in _results(batches, config, args.processes):
+        done += count
+        failures += failed
+        _progress(done, args.schedules, started, len(failures))
     seconds = time.monotonic() - started
     summary = {"schedules": done, "seconds": round(seconds, 1), "schedules_per_second": round(done / seconds, 1),
                "processes": args.processes, "violations": len(failures), "failed_seeds": sorted(failures)[:100],
@@ -74,6 +74,17 @@ def run(args: argparse.Namespace) -> int:
         print(report(outcome, smallest), file=sys.stderr)
         return 1
     return 0
+
+
+def _results(batches: list[tuple[int, int]], config: SimConfig,
+             processes: int) -> Iterator[tuple[int, list[int]]]:
+    """Each batch's (schedules run, failing seeds), in this process or in forked workers."""
+    jobs = [(first, count, config) for first, count in batches]
+    if processes == 1:
+        yield from map(_run_batch, jobs)
+        return
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        yield from pool.imap_unordered(_run_batch, jobs)
 
 
 def _batches(first: int, count: int, processes: int, size: int = 500) -> list[tuple[int, int]]:
