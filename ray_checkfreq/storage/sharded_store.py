@@ -645,15 +645,17 @@ class ShardedStore:
     # ------------------------------------------------------------ listing
     def _scan(self, read_manifests: bool = True, *, settled: bool = False) -> builtins.list[_Dir]:
         """Checkpoint directories; ``manifest`` set where a valid v3 global manifest is.
-        ``settled``: taken again while a step directory appeared meanwhile (what a reader's
-        answer needs: never a view older than one it could have had; commit.py)."""
+        ``settled`` (what a reader's answer needs: never a view older than one it could
+        have had, commit.py): the files are judged by a second listing, taken after the
+        manifests were read, and the scan is taken again while that listing differs in a
+        step directory or a manifest from the first."""
         for attempt in range(commit.RESCANS):
             last = attempt + 1 == commit.RESCANS
             try:
                 dirs = self._scan_once(read_manifests, last=last)
             except FileNotFoundError:
                 continue  # a manifest went between the listing and its read: list again
-            if last or not settled or not commit.new_step_dirs(self.backend, {d.name for d in dirs}):
+            if last or not settled or _settle(dirs, self.backend.list_tree()):
                 return dirs
         raise AssertionError("unreachable: the last scan returns")
 
@@ -781,6 +783,22 @@ class ShardedStore:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _settle(dirs: Sequence[_Dir], after: Mapping[str, Mapping[str, int]]) -> bool:
+    """Judge ``dirs`` by the listing ``after``, taken once their manifests were read: a file
+    there existed when its manifest was read (files are new files, never made again), so a
+    manifest created over files removed before it is never taken for whole. False (scan
+    again) where a step directory appeared or a manifest changed since the first listing."""
+    known = {d.name for d in dirs}
+    if any(name not in known and parse_checkpoint_dir(name) is not None for name in after):
+        return False
+    for entry in dirs:
+        files = after.get(entry.name, {})
+        if entry.committed and files.get(GLOBAL_MANIFEST_NAME) != entry.files.get(GLOBAL_MANIFEST_NAME):
+            return False
+        entry.files = dict(files)
+    return True
 
 
 def _expected_files(manifest: ShardedManifest) -> dict[str, int]:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     for count, failed in _results(batches, config, args.processes):
         done += count
         failures += failed
-        _progress(done, args.schedules, started, len(failures))
+        _progress(done, args.schedules, started, failures)
     seconds = time.monotonic() - started
     summary = {"schedules": done, "seconds": round(seconds, 1), "schedules_per_second": round(done / seconds, 1),
                "processes": args.processes, "violations": len(failures), "failed_seeds": sorted(failures)[:100],
@@ -98,6 +98,8 @@ def _run_batch(job: tuple[int, int, SimConfig]) -> tuple[int, list[int]]:
     return summary.schedules, [outcome.seed for outcome in summary.failures]
 
 
-def _progress(done: int, total: int, started: float, violations: int) -> None:
+def _progress(done: int, total: int, started: float, failures: list[int]) -> None:
     rate = done / max(time.monotonic() - started, 1e-9)
-    print(f"{done}/{total} schedules, {rate:.0f}/s, {violations} violation(s)", file=sys.stderr, flush=True)
+    seeds = f" (seeds {sorted(failures)[:10]})" if failures else ""
+    print(f"{done}/{total} schedules, {rate:.0f}/s, {len(failures)} violation(s){seeds}", file=sys.stderr,
+          flush=True)
