@@ -37,9 +37,12 @@ logger = logging.getLogger("ray_checkfreq.storage")
 # Staged temporary files older than this are a killed writer's: housekeeping removes them.
 STALE_STAGING_S = 3600.0
 # A listing whose committed manifest vanished before it was read (a retention at work) is
-# out of date: it is taken again, at most this often, so that latest() never answers from
-# a view that was never true (an older checkpoint, or none, while a newer one stood).
+# out of date: housekeeping takes it again at most RESCANS times, then goes on with what it
+# has; a reader's answer (list, latest) is taken again until it is settled, at most
+# SETTLED_RESCANS times, then fails by name: it never answers from a view that was never
+# true (an older checkpoint, or none, while a newer one stood).
 RESCANS = 4
+SETTLED_RESCANS = 64
 _RECORD_KEY = "ray_checkfreq_abandoned_by_generation"
 _MAX_RECORD_BYTES = 128
 
@@ -78,6 +81,11 @@ def read_listed_manifest(backend: Backend, name: str) -> bytes:
     if is_abandon_record(data):
         raise FileNotFoundError(backend.uri(manifest_path(name)))
     return data
+
+
+def unsettled(uri: str) -> StorageError:
+    return StorageError(uri, f"the store kept changing through {SETTLED_RESCANS} listings (checkpoints committed "
+                             "and removed faster than one listing): no settled view to answer from")
 
 
 def new_step_dirs(backend: Backend, listed: Iterable[str]) -> bool:

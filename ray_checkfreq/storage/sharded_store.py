@@ -646,18 +646,17 @@ class ShardedStore:
     def _scan(self, read_manifests: bool = True, *, settled: bool = False) -> builtins.list[_Dir]:
         """Checkpoint directories; ``manifest`` set where a valid v3 global manifest is.
         ``settled`` (what a reader's answer needs: never a view older than one it could
-        have had, commit.py): the files are judged by a second listing, taken after the
-        manifests were read, and the scan is taken again while that listing differs in a
-        step directory or a manifest from the first."""
-        for attempt in range(commit.RESCANS):
-            last = attempt + 1 == commit.RESCANS
+        have had, commit.py): taken again until a second listing, after the manifests were
+        read, agrees with the first (``_settle``)."""
+        attempts = commit.SETTLED_RESCANS if settled else commit.RESCANS
+        for attempt in range(attempts):
             try:
-                dirs = self._scan_once(read_manifests, last=last)
+                dirs = self._scan_once(read_manifests, last=attempt + 1 == attempts and not settled)
             except FileNotFoundError:
                 continue  # a manifest went between the listing and its read: list again
-            if last or not settled or _settle(dirs, self.backend.list_tree()):
+            if not settled or _settle(dirs, self.backend.list_tree()):
                 return dirs
-        raise AssertionError("unreachable: the last scan returns")
+        raise commit.unsettled(self.uri)
 
     def _scan_once(self, read_manifests: bool, *, last: bool) -> builtins.list[_Dir]:
         dirs = []
@@ -786,18 +785,21 @@ class ShardedStore:
 
 
 def _settle(dirs: Sequence[_Dir], after: Mapping[str, Mapping[str, int]]) -> bool:
-    """Judge ``dirs`` by the listing ``after``, taken once their manifests were read: a file
-    there existed when its manifest was read (files are new files, never made again), so a
-    manifest created over files removed before it is never taken for whole. False (scan
-    again) where a step directory appeared or a manifest changed since the first listing."""
-    known = {d.name for d in dirs}
-    if any(name not in known and parse_checkpoint_dir(name) is not None for name in after):
+    """Whether the listing ``after``, taken once the manifests of ``dirs`` were read, agrees
+    with the one ``dirs`` came from: the same step directories, the same manifest names at
+    the same sizes, and every committed directory's files the same. Two listings that agree
+    around the reads make a view that held at one moment (files are new files, never made
+    again), so a manifest created over files removed before it is never taken for whole,
+    and an answer is never older than the store was when the call began."""
+    steps = {name: files for name, files in after.items() if parse_checkpoint_dir(name) is not None}
+    if set(steps) != {entry.name for entry in dirs}:
         return False
     for entry in dirs:
-        files = after.get(entry.name, {})
-        if entry.committed and files.get(GLOBAL_MANIFEST_NAME) != entry.files.get(GLOBAL_MANIFEST_NAME):
+        files = steps[entry.name]
+        if files.get(GLOBAL_MANIFEST_NAME) != entry.files.get(GLOBAL_MANIFEST_NAME):
             return False
-        entry.files = dict(files)
+        if entry.committed and dict(files) != entry.files:
+            return False
     return True
 
 

@@ -527,14 +527,15 @@ class CheckpointStore:
         """Checkpoint directories, listed again while a listed manifest vanished before it
         was read, and (``settled``, a reader's answer) while a step directory appeared
         meanwhile: never a view older than one a reader could have had (commit.py)."""
-        for attempt in range(commit.RESCANS):
+        attempts = commit.SETTLED_RESCANS if settled else commit.RESCANS
+        for attempt in range(attempts):
             entries = self._scan_once(read_manifests)
-            if attempt + 1 == commit.RESCANS:
+            if attempt + 1 == attempts and not settled:
                 return entries
             if not any(e.vanished for e in entries) \
                     and not (settled and commit.new_step_dirs(self.backend, (e.name for e in entries))):
                 return entries
-        raise AssertionError("unreachable: the last scan returns")
+        raise commit.unsettled(self.uri)
 
     def _scan_once(self, read_manifests: bool) -> builtins.list[StoredEntry]:
         entries = []

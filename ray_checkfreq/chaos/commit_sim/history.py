@@ -8,6 +8,8 @@
 (c) A fenced writer ends with ``FencedWriterError`` by name (no other error) and leaves no
     file outside committed directories.
 (d) After a clean generation, nothing is left but what retention keeps.
+(e) A step whose every writer wrote its part and returned from ``try_commit`` is committed
+    (runner.py checks it from the workload's record).
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ def _clean_generation(ctx: load.Context) -> None:
 # ------------------------------------------------------------ invariants after the run
 def _final_checks(ctx: load.Context) -> None:
     _check_told_stay_loadable(ctx)
+    _check_every_finished_step_committed(ctx)
     _check_actor_endings(ctx)
     _check_clean_leftovers(ctx)
 
@@ -117,6 +118,16 @@ def _check_told_stay_loadable(ctx: load.Context) -> None:
             load.check_values(ctx.history, ref, load.load_values(store, ref), "the final check")
         except (CheckFreqError, FileNotFoundError, KeyError) as err:
             ctx.history.violate(f"(a) {who} was told {name} is committed; it no longer loads: {err!r}")
+
+
+def _check_every_finished_step_committed(ctx: load.Context) -> None:
+    """(e): a step whose every rank wrote its part and returned from ``try_commit`` is
+    committed (the last writer to list sees every part), and one of them was told so."""
+    for (generation, step), ranks in sorted(ctx.finished.items()):
+        world = ctx.worlds.get(generation, 0)
+        if len(ranks) == world and (generation, step) not in ctx.committed_steps:
+            ctx.history.violate(f"(e) every one of the {world} writers of step {step}, generation {generation}, "
+                                "wrote its part and returned from try_commit, and none was told it committed")
 
 
 def _check_actor_endings(ctx: load.Context) -> None:

@@ -40,7 +40,7 @@ class Workload:
     max_world: int = 3  # sharded: ranks per generation, 1 to this
     readers: int = 2
     reader_ops: int = 6
-    strays: int = 8
+    strays: int = 40  # foreign files made and removed: enough that listings lose entries often
     commit_polls: int = 3
     keep_last: int = 2
 
@@ -67,6 +67,10 @@ class Context:
     history: History
     rng: random.Random
     pointers: set[int] = field(default_factory=set)
+    # (generation, step) -> the ranks whose try_commit returned, and whether one was told committed
+    finished: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    committed_steps: set[tuple[int, int]] = field(default_factory=set)
+    worlds: dict[int, int] = field(default_factory=dict)  # generation -> its world size
     clean_steps: list[tuple[int, int]] = field(default_factory=list)  # (generation, step) of the clean run
 
     # ------------------------------------------------------------ stores
@@ -136,6 +140,7 @@ def start_generation(ctx: Context, *, clean: bool = False) -> None:
     world = ctx.rng.randint(1, ctx.workload.max_world)
     if clean:
         ctx.clean_steps.extend((generation, step) for step in steps)
+    ctx.worlds[generation] = world
     for rank in range(world):
         ctx.scheduler.spawn(f"g{generation}.r{rank}", _bind(_sharded_writer, ctx, generation, rank, world, steps),
                             "writer")
@@ -154,8 +159,10 @@ def _sharded_writer(ctx: Context, generation: int, rank: int, world: int, steps:
                 break
             ctx.wait("poll")
             result = store.try_commit(step)
+        ctx.finished.setdefault((generation, step), set()).add(rank)
         if result.committed and result.ref is not None:
             ctx.history.tell(result.ref.name, ctx.me())
+            ctx.committed_steps.add((generation, step))
 
 
 def _replicated_generation(ctx: Context, clean: bool) -> None:
