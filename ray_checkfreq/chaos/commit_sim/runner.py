@@ -121,11 +121,14 @@ def _check_told_stay_loadable(ctx: load.Context) -> None:
 
 
 def _check_every_finished_step_committed(ctx: load.Context) -> None:
-    """(e): a step whose every rank wrote its part and returned from ``try_commit`` is
-    committed (the last writer to list sees every part), and one of them was told so."""
-    for (generation, step), ranks in sorted(ctx.finished.items()):
+    """(e): a step whose every rank wrote its part and returned from ``try_commit`` before a
+    newer generation was taken is committed (the last writer to list sees every part), and
+    one of them was told so. A newer generation may fence the last one first: no commit."""
+    for (generation, step), returned in sorted(ctx.finished.items()):
         world = ctx.worlds.get(generation, 0)
-        if len(ranks) == world and (generation, step) not in ctx.committed_steps:
+        last = max(returned.values())
+        superseded = any(newer > generation and tick <= last for newer, tick in ctx.acquired.items())
+        if len(returned) == world and not superseded and (generation, step) not in ctx.committed_steps:
             ctx.history.violate(f"(e) every one of the {world} writers of step {step}, generation {generation}, "
                                 "wrote its part and returned from try_commit, and none was told it committed")
 

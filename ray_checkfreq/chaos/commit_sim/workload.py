@@ -67,10 +67,11 @@ class Context:
     history: History
     rng: random.Random
     pointers: set[int] = field(default_factory=set)
-    # (generation, step) -> the ranks whose try_commit returned, and whether one was told committed
-    finished: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    # (generation, step) -> {rank: tick its try_commit returned}, and the steps one was told committed
+    finished: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     committed_steps: set[tuple[int, int]] = field(default_factory=set)
     worlds: dict[int, int] = field(default_factory=dict)  # generation -> its world size
+    acquired: dict[int, int] = field(default_factory=dict)  # generation -> tick it was taken
     clean_steps: list[tuple[int, int]] = field(default_factory=list)  # (generation, step) of the clean run
 
     # ------------------------------------------------------------ stores
@@ -131,6 +132,7 @@ def start_generation(ctx: Context, *, clean: bool = False) -> None:
         return
     store = ctx.sharded_store()
     generation = store.acquire_writer()
+    ctx.acquired[generation] = ctx.scheduler.tick
     salvaged = store.salvage()
     if salvaged is not None:
         ctx.history.tell(salvaged.name, ctx.me())
@@ -159,7 +161,7 @@ def _sharded_writer(ctx: Context, generation: int, rank: int, world: int, steps:
                 break
             ctx.wait("poll")
             result = store.try_commit(step)
-        ctx.finished.setdefault((generation, step), set()).add(rank)
+        ctx.finished.setdefault((generation, step), {})[rank] = ctx.scheduler.tick
         if result.committed and result.ref is not None:
             ctx.history.tell(result.ref.name, ctx.me())
             ctx.committed_steps.add((generation, step))
