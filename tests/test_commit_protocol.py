@@ -175,3 +175,16 @@ def test_a_replicated_store_keeps_its_commit_final_and_removes_leftovers_under_a
     assert not leftover.exists()
     assert [ref.step for ref in new.list()] == [3]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp") or n.startswith(".staging")]
+
+
+def test_a_writer_remembers_only_its_newest_parts(tmp_path):
+    """A rank that is never the committer never learns its steps committed: what it keeps to
+    withdraw stays bounded however long the run."""
+    stores = writers(tmp_path, world=2)
+    for step in range(1, 21):
+        part(stores[0], step, 0, world=2)
+        assert stores[0].try_commit(step).missing_ranks == (1,)  # rank 1 commits each step
+        part(stores[1], step, 1, world=2)
+        assert stores[1].try_commit(step).by_me
+    assert sorted(stores[0]._own) == list(range(13, 21))
+    assert stores[1]._own == {}

@@ -98,6 +98,9 @@ _ZEROS = bytes(BLOCK)
 MAX_SKELETON_BYTES = 16 * MiB
 # A loser of the commit reads the winner's manifest at most this often before it gives up.
 _MANIFEST_READS = 3
+# The newest steps whose parts this writer remembers (withdrawn if it is fenced); one
+# checkpoint is in flight at a time, so older ones are settled.
+_OWN_KEPT = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +350,10 @@ class ShardedStore:
                     self._withdraw_if_fenced(err, generation)
                 raise
             self._own[step] = _OwnPart(part.name, written, ranks)
+            for stale in sorted(self._own)[:-_OWN_KEPT]:
+                # A step another rank committed never comes back here; one this long unanswered
+                # is committed or is left to the housekeeping of a later commit.
+                del self._own[stale]
         return part
 
     def _abandon_part(self, name: str, written: Sequence[str], part_file: str | None, generation: int) -> None:
