@@ -111,7 +111,7 @@ def export_dcp(store: ShardedStore, ref: ShardedRef, out_dir: str) -> str:
 
     _prepare_out_dir(out_dir)
     manifest = store.manifest(ref)
-    reader = BoxReader(store.backend, ref.name, manifest, codec_threads=store.config.codec_threads)
+    reader = store.reader(ref)
     state_md, storage_data = _dcp_tensor_metadata(manifest)
     for rank, chunks in _chunks_by_rank(manifest).items():
         storage_data.update(_write_rank_file(reader, out_dir, rank, chunks))
@@ -219,7 +219,7 @@ def export_gathered(store: ShardedStore, ref: ShardedRef, target: str, *, precis
     """Write checkpoint ``ref`` with each tensor gathered whole, to .safetensors or .pt."""
     trim = {"precision_factor": precision_factor, "precision_bits": precision_bits}
     manifest = store.manifest(ref)
-    reader = BoxReader(store.backend, ref.name, manifest, codec_threads=store.config.codec_threads)
+    reader = store.reader(ref)
     tensors = _gathered(reader, manifest, trim)
     if target.endswith(".pt"):
         torch.save(dict(tensors), target)

@@ -6,13 +6,15 @@ overlap (``chunks.byte_span``: exactly the overlap when it differs from the chun
 leading dimension only), widened to the chunk's CRC blocks (``crc_block_bytes``) so every
 block read is checked against its CRC32 before a byte of it is used. An ``rcfz`` chunk is
 read and decoded whole (its frames are not addressable from outside the codec), checked
-by the codec and against ``raw_crc32``; it is decoded once per ``load_boxes`` call.
+by the codec and against ``raw_crc32``; it is decoded once per ``load_boxes`` call. A
+delta chunk (format 4) is decoded against the same chunk (key, box, rank) of its part's
+delta base, a full chunk of another committed directory, read the same way.
 A target element no saved chunk covers is an error, never left uninitialised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,11 +32,14 @@ class BoxReader:
     """Reads target boxes of one checkpoint directory (``dir_name``) described by ``manifest``."""
 
     def __init__(self, backend: Backend, dir_name: str, manifest: ShardedManifest, *,
-                 codec_threads: int | None = None) -> None:
+                 codec_threads: int | None = None,
+                 base_manifest: Callable[[str], ShardedManifest] | None = None) -> None:
         self.backend = backend
         self.dir_name = dir_name
         self.manifest = manifest
         self.codec_threads = codec_threads
+        self._base_manifest = base_manifest  # a delta base's global manifest, by directory name
+        self._bases: dict[str, BoxReader] = {}
         self._decoded: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self.bytes_read = 0
 
@@ -47,6 +52,7 @@ class BoxReader:
                 raise KeyError(f"{self.backend.uri(self.dir_name)}: no tensor {key!r} in this checkpoint")
             out[key] = [self._load_box(tensor, box) for box in boxes]
         self._decoded.clear()
+        self._bases.clear()
         return out
 
     def _load_box(self, tensor: TensorIndex, target: Box) -> Any:
@@ -76,15 +82,40 @@ class BoxReader:
     def _decode_whole(self, chunk: ChunkRecord) -> np.ndarray:
         cache_key = (chunk.key, chunk.box.offsets)
         if cache_key not in self._decoded:
-            stored = self._read_checked(chunk, 0, chunk.length)
-            try:
-                leaf = decode_leaf(chunk.spec, chunk.codec, stored, 0, chunk.length, chunk.raw_crc32,
-                                   threads=self.codec_threads)
-            except LeafDecodeError as err:
-                raise CorruptCheckpointError(self._file_uri(chunk), f"tensor {chunk.key!r}: {err}") from None
+            leaf = self.decoded_leaf(chunk)
             raw = np.frombuffer(leaf_bytes(leaf), np.uint8)
             self._decoded[cache_key] = raw.reshape(chunk.box.sizes + (chunk.spec.itemsize,))
         return self._decoded[cache_key]
+
+    def decoded_leaf(self, chunk: ChunkRecord) -> Any:
+        """The chunk whole (a tensor or ndarray of its box), every byte checked."""
+        base = self._base_leaf(chunk) if chunk.delta else None
+        stored = self._read_checked(chunk, 0, chunk.length)
+        try:
+            return decode_leaf(chunk.spec, chunk.codec, stored, 0, chunk.length, chunk.raw_crc32, base=base,
+                               threads=self.codec_threads)
+        except LeafDecodeError as err:
+            raise CorruptCheckpointError(self._file_uri(chunk), f"tensor {chunk.key!r}: {err}") from None
+
+    def _base_leaf(self, chunk: ChunkRecord) -> Any:
+        """The full chunk a delta chunk refers to: same key, box and rank, in its part's base."""
+        name = self.manifest.delta_base_of(chunk)
+        where = f"tensor {chunk.key!r} (chunk at {list(chunk.box.offsets)})"
+        if name is None or self._base_manifest is None:
+            raise CorruptCheckpointError(self._manifest_uri(), f"{where}: a delta with no base to read")
+        try:
+            base = self._bases.get(name)
+            if base is None:
+                base = BoxReader(self.backend, name, self._base_manifest(name), codec_threads=self.codec_threads)
+                self._bases[name] = base
+            tensor = base.manifest.tensor(chunk.key)
+            match = [c for c in tensor.chunks if (c.box, c.rank) == (chunk.box, chunk.rank)] if tensor else []
+            if not match or match[0].delta or (match[0].kind, match[0].dtype) != (chunk.kind, chunk.dtype):
+                raise CorruptCheckpointError(base._manifest_uri(), f"no full chunk for {where} of this delta")
+            return base.decoded_leaf(match[0])
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(self._manifest_uri(), f"{where}: its delta base {name} is unusable: "
+                                         f"{err}") from None
 
     def _read_checked(self, chunk: ChunkRecord, start: int, stop: int) -> np.ndarray:
         """Bytes [start, stop) of the chunk's stored bytes, every CRC block they touch checked."""

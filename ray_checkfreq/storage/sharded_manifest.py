@@ -1,4 +1,4 @@
-"""Manifests of sharded checkpoints (format version 3): a *part* per writer, one *global* one.
+"""Manifests of sharded checkpoints (format version 4; 3 is read): a *part* per writer, one *global* one.
 
 Pure logic, no I/O. A sharded checkpoint directory holds, per writer (a node agent), data
 files ``part-r<first rank>-<n>.bin`` and then ``part-r<first rank>.json``: the part
@@ -14,6 +14,11 @@ a bad file refused with the reason (the caller names the file). Nothing is unpic
 A part is refused unless its name matches its first rank and every data file it lists
 carries that rank; a global manifest unless its parts cover ranks ``0..world_size-1``
 exactly once and each tensor's chunks cover the tensor exactly once (``check_tiling``).
+
+Format 4 adds XOR deltas: a chunk marked ``delta`` is an ``rcfz`` blob of its bytes XOR
+the same chunk (same key, box and rank) of the full checkpoint its part names as
+``delta_base``. A part with no delta chunk has no base; a base is never itself a delta
+(the reader refuses one). Format 3 is format 4 without deltas.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ from ray_checkfreq.storage.manifest import (
     ManifestError,
     body_checksum,
 )
-from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP
+from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, parse_checkpoint_dir
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 
-FORMAT_VERSION_SHARDED = 3
+FORMAT_VERSION_SHARDED = 4
+READABLE_SHARDED_VERSIONS = (3, FORMAT_VERSION_SHARDED)
 KIND_PART = "part"
 KIND_SHARDED = "sharded"
 GLOBAL_MANIFEST_NAME = MANIFEST_NAME
@@ -83,6 +89,7 @@ class ChunkRecord:
     raw_crc32: int  # of the chunk's raw bytes (a slot's seal)
     crc_block_bytes: int  # the stored bytes' CRC32 per block of this many bytes ...
     block_crc32: tuple[int, ...]  # ... so a ranged read checks only the blocks it reads
+    delta: bool = False  # an XOR delta against the same chunk of its part's delta base
 
     @property
     def spec(self) -> LeafSpec:
@@ -106,6 +113,7 @@ class PartManifest:
     files: tuple[PartFile, ...]
     chunks: tuple[ChunkRecord, ...]
     skeletons: Mapping[int, Any] = field(default_factory=dict)  # rank -> JSON
+    delta_base: str | None = None  # the checkpoint directory its delta chunks refer to
 
     @property
     def name(self) -> str:
@@ -121,6 +129,7 @@ class PartEntry:
     size_bytes: int  # of the part manifest
     crc32: int  # of the part manifest's bytes
     files: tuple[PartFile, ...]
+    delta_base: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,18 @@ class ShardedManifest:
     def tensor(self, key: str) -> TensorIndex | None:
         return self._by_key.get(key)
 
+    def delta_base_of(self, chunk: ChunkRecord) -> str | None:
+        """The directory a delta chunk refers to (its part's base); None for a full chunk."""
+        return self._base_by_file.get(chunk.file) if chunk.delta else None
+
+    @property
+    def delta_bases(self) -> frozenset[str]:
+        return frozenset(p.delta_base for p in self.parts if p.delta_base is not None)
+
+    @functools.cached_property
+    def _base_by_file(self) -> dict[str, str | None]:
+        return {f.name: p.delta_base for p in self.parts for f in p.files}
+
     @functools.cached_property
     def _by_key(self) -> dict[str, TensorIndex]:
         """Keys are unique (checked when a manifest is built or decoded): one dict, not a scan per lookup."""
@@ -164,6 +185,7 @@ def encode_part(part: PartManifest) -> bytes:
     body["chunks"] = [dict(key=c.key, kind=c.kind, dtype=c.dtype, global_shape=list(c.global_shape),
                            **_chunk_place_json(c)) for c in part.chunks]
     body["skeletons"] = {str(rank): part.skeletons[rank] for rank in part.ranks}
+    body["delta_base"] = part.delta_base
     return _signed(body)
 
 
@@ -171,7 +193,8 @@ def encode_global(manifest: ShardedManifest) -> bytes:
     body = _header(KIND_SHARDED, manifest.step, manifest.writer_generation, manifest.world_size,
                    manifest.epoch_boundary, manifest.created_unix_ns)
     body["parts"] = [{"name": p.name, "ranks": list(p.ranks), "size_bytes": p.size_bytes, "crc32": p.crc32,
-                      "files": [_file_json(f) for f in p.files]} for p in manifest.parts]
+                      "files": [_file_json(f) for f in p.files], "delta_base": p.delta_base}
+                     for p in manifest.parts]
     body["tensors"] = [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "global_shape": list(t.global_shape),
                         "chunks": [_chunk_place_json(c) for c in t.chunks]} for t in manifest.tensors]
     return _signed(body)
@@ -186,8 +209,8 @@ def merge_parts(step: int, writer_generation: int, world_size: int, created_unix
         if (part.step, part.writer_generation, part.world_size) != (step, writer_generation, world_size):
             raise ManifestError(f"{part.name}: step {part.step}, generation {part.writer_generation}, world size "
                                 f"{part.world_size} where the checkpoint has {step}, {writer_generation}, {world_size}")
-    entries = tuple(PartEntry(name=p.name, ranks=p.ranks, size_bytes=size, crc32=crc, files=p.files)
-                    for p, size, crc in ordered)
+    entries = tuple(PartEntry(name=p.name, ranks=p.ranks, size_bytes=size, crc32=crc, files=p.files,
+                              delta_base=p.delta_base) for p, size, crc in ordered)
     by_key: dict[str, list[ChunkRecord]] = {}
     for part, _, _ in ordered:
         for chunk in part.chunks:
@@ -219,7 +242,8 @@ def _file_json(f: PartFile) -> dict:
 def _chunk_place_json(c: ChunkRecord) -> dict:
     return {"offsets": list(c.box.offsets), "sizes": list(c.box.sizes), "rank": c.rank, "codec": c.codec,
             "file": c.file, "offset": c.offset, "length": c.length, "stored_crc32": c.stored_crc32,
-            "raw_crc32": c.raw_crc32, "crc_block_bytes": c.crc_block_bytes, "block_crc32": list(c.block_crc32)}
+            "raw_crc32": c.raw_crc32, "crc_block_bytes": c.crc_block_bytes, "block_crc32": list(c.block_crc32),
+            "delta": c.delta}
 
 
 def _signed(body: dict) -> bytes:
@@ -244,13 +268,15 @@ def decode_part(data: bytes, *, name: str | None = None) -> PartManifest:
     sizes = {f.name: f.size_bytes for f in files}
     chunks = tuple(_part_chunk(raw, sizes, set(ranks)) for raw in _list(body, "chunks"))
     _check_part_chunks(chunks)
+    delta_base = _delta_base(body, chunks, f"part {part_manifest_name(ranks[0])}")
+    _check_no_deltas_before_4(body, chunks)
     skeletons = _field(body, "skeletons", dict)
     if sorted(skeletons) != sorted(str(r) for r in ranks):
         raise ManifestError(f"skeletons for ranks {sorted(skeletons)!r:.200}, part covers {list(ranks)!r:.200}")
     return PartManifest(step=_int(body, "step", MAX_STEP), writer_generation=generation, world_size=world_size,
                         ranks=ranks, epoch_boundary=_field(body, "epoch_boundary", bool),
                         created_unix_ns=_int(body, "created_unix_ns"), files=files, chunks=chunks,
-                        skeletons={r: skeletons[str(r)] for r in ranks})
+                        skeletons={r: skeletons[str(r)] for r in ranks}, delta_base=delta_base)
 
 
 def decode_global(data: bytes) -> ShardedManifest:
@@ -269,6 +295,8 @@ def _decode_global(data: bytes) -> ShardedManifest:
     if len(sizes) != sum(len(p.files) for p in parts):
         raise ManifestError("a data file is listed by two parts")
     tensors = tuple(_tensor_index(raw, sizes) for raw in _list(body, "tensors"))
+    _check_part_bases(parts, tensors)
+    _check_no_deltas_before_4(body, [c for t in tensors for c in t.chunks])
     manifest = ShardedManifest(step=_int(body, "step", MAX_STEP), writer_generation=_generation(body),
                                world_size=world_size, epoch_boundary=_field(body, "epoch_boundary", bool),
                                created_unix_ns=_int(body, "created_unix_ns"), parts=parts, tensors=tensors)
@@ -277,7 +305,7 @@ def _decode_global(data: bytes) -> ShardedManifest:
 
 
 def is_sharded_manifest(data: bytes) -> bool:
-    """Whether ``data`` claims to be a format version 3 global manifest (not checked)."""
+    """Whether ``data`` claims to be a sharded global manifest (format 3 or 4; not checked)."""
     return _claims_sharded(bytes(data))
 
 
@@ -287,7 +315,7 @@ def _claims_sharded(data: bytes) -> bool:
         body = parse_stored_json(data, max_bytes=MAX_MANIFEST_BYTES)
     except StoredJsonError:
         return False
-    return isinstance(body, dict) and body.get("format_version") == FORMAT_VERSION_SHARDED
+    return isinstance(body, dict) and body.get("format_version") in READABLE_SHARDED_VERSIONS
 
 
 def _checked_body(data: bytes, kind: str) -> dict:
@@ -299,9 +327,10 @@ def _checked_body(data: bytes, kind: str) -> dict:
         raise ManifestError("top level is not a JSON object")
     if body.get("format") != FORMAT_NAME:
         raise ManifestError(f"not a ray_checkfreq manifest (format={body.get('format')!r:.80})")
-    if body.get("format_version") != FORMAT_VERSION_SHARDED:
-        raise ManifestError(f"format version {body.get('format_version')!r:.40} is not a sharded checkpoint's "
-                            f"({FORMAT_VERSION_SHARDED})")
+    version = body.get("format_version")
+    if version not in READABLE_SHARDED_VERSIONS:
+        raise ManifestError(f"format version {version!r:.40} is not a sharded checkpoint's "
+                            f"{READABLE_SHARDED_VERSIONS}")
     if body.get("kind") != kind:
         raise ManifestError(f"kind {body.get('kind')!r:.40}: expected {kind!r}")
     if body.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
@@ -345,7 +374,8 @@ def _part_entry(raw: Any, world_size: int) -> PartEntry:
     if match is None or int(match["rank"]) != ranks[0]:
         raise ManifestError(f"part name {name!r:.80} is not part-r<first rank>.json of ranks from {ranks[0]}")
     return PartEntry(name=name, ranks=ranks, size_bytes=_int(raw, "size_bytes", MAX_MANIFEST_BYTES),
-                     crc32=_int(raw, "crc32", MAX_CRC32), files=_files(raw.get("files"), ranks[0]))
+                     crc32=_int(raw, "crc32", MAX_CRC32), files=_files(raw.get("files"), ranks[0]),
+                     delta_base=_optional_dir_name(raw, f"part {name}"))
 
 
 def _tensor_index(raw: Any, sizes: dict[str, tuple[int, tuple[int, ...]]]) -> TensorIndex:
@@ -406,6 +436,7 @@ def _chunk(key: str, kind: str, dtype: str, shape: tuple[int, ...], raw: dict, s
         length=_int(raw, "length", MAX_SIZE_BYTES), stored_crc32=_int(raw, "stored_crc32", MAX_CRC32),
         raw_crc32=_int(raw, "raw_crc32", MAX_CRC32),
         crc_block_bytes=_int(raw, "crc_block_bytes", MAX_CRC_BLOCK), block_crc32=_crc_list(raw, key),
+        delta=_optional_bool(raw, "delta"),
     )
     _check_chunk_place(record, sizes, ranks)
     return record
@@ -424,6 +455,8 @@ def _check_chunk_place(c: ChunkRecord, sizes: dict[str, int], ranks: set[int]) -
     nbytes = c.spec.nbytes
     if c.codec == "raw" and c.length != nbytes:
         raise ManifestError(f"{where}: raw length {c.length} != {nbytes} for its sizes")
+    if c.delta and c.codec != "rcfz":
+        raise ManifestError(f"{where}: a delta stored with codec {c.codec!r} (deltas are rcfz blobs)")
     if c.codec == "rcfz" and nbytes > max(c.length, 1) * MAX_EXPANSION:
         raise ManifestError(f"{where}: {nbytes} bytes from a {c.length}-byte codec blob is more than the "
                             f"{MAX_EXPANSION}x expansion a blob may have")
@@ -445,6 +478,45 @@ def _check_part_chunks(chunks: tuple[ChunkRecord, ...]) -> None:
         if (c.key, c.box.offsets) in boxes:
             raise ManifestError(f"tensor {c.key!r}: two chunks at {list(c.box.offsets)}")
         boxes.add((c.key, c.box.offsets))
+
+
+def _delta_base(body: dict, chunks: Sequence[ChunkRecord], where: str) -> str | None:
+    """A part's ``delta_base``: a checkpoint directory name exactly when a chunk is a delta."""
+    base = _optional_dir_name(body, where)
+    if (base is not None) != any(c.delta for c in chunks):
+        raise ManifestError(f"{where}: delta_base {base!r:.80} " + (
+            "without a delta chunk" if base is not None else "missing for its delta chunks"))
+    return base
+
+
+def _check_part_bases(parts: Sequence[PartEntry], tensors: Sequence[TensorIndex]) -> None:
+    deltas = {c.file for t in tensors for c in t.chunks if c.delta}
+    for part in parts:
+        has_delta = any(f.name in deltas for f in part.files)
+        if (part.delta_base is not None) != has_delta:
+            raise ManifestError(f"part {part.name}: delta_base {part.delta_base!r:.80} " + (
+                "without a delta chunk" if part.delta_base is not None else "missing for its delta chunks"))
+
+
+def _check_no_deltas_before_4(body: dict, chunks: Sequence[ChunkRecord]) -> None:
+    if body["format_version"] < 4 and any(c.delta for c in chunks):
+        raise ManifestError(f"a delta chunk in a format version {body['format_version']} manifest (deltas came in 4)")
+
+
+def _optional_dir_name(raw: dict, where: str) -> str | None:
+    value = raw.get("delta_base")
+    if value is None:
+        return None
+    if not isinstance(value, str) or parse_checkpoint_dir(value) is None:
+        raise ManifestError(f"{where}: delta_base {value!r:.80} is not a checkpoint directory name")
+    return value
+
+
+def _optional_bool(raw: dict, name: str) -> bool:
+    value = raw.get(name, False)
+    if not isinstance(value, bool):
+        raise ManifestError(f"field {name!r} is not true or false")
+    return value
 
 
 def _files(raw: Any, first_rank: int) -> tuple[PartFile, ...]:

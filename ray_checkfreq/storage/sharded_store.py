@@ -62,7 +62,7 @@ from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.encoding import EncodeOptions, encode_leaf
+from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf, encode_leaf
 from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
 from ray_checkfreq.storage.parallel import map_on_threads
@@ -115,10 +115,11 @@ class ShardedConfig:
     io_threads: int = 4
     keep_last: int = 2
     keep_epoch_boundaries: bool = True
+    full_every: int = 1  # a full part at least every N saves of a writer, rcfz XOR deltas between (1: none)
 
     def __post_init__(self) -> None:
         EncodeOptions(codec=self.codec, level=self.codec_level, threads=self.codec_threads)
-        for name in ("part_file_bytes", "io_threads", "keep_last"):
+        for name in ("part_file_bytes", "io_threads", "keep_last", "full_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
@@ -177,6 +178,15 @@ class _OwnPart:
     manifest: str
     files: builtins.list[str]
     ranks: tuple[int, ...]
+
+
+@dataclass
+class _ChunkBase:
+    """The chunks of this writer's newest committed full part: the base of its next deltas."""
+
+    name: str  # the directory
+    chunks: dict[tuple[str, Box, int], Any]  # (key, box, rank) -> a private copy
+    saves_since: int = 0
 
 
 @dataclass
@@ -251,6 +261,9 @@ class ShardedStore:
         self._generation = writer_generation
         self._lock = threading.Lock()
         self._own: dict[int, _OwnPart] = {}  # step -> what this writer wrote of it
+        self._base: _ChunkBase | None = None
+        # The step of the newest part written and, if it was full, its chunks: the base once committed.
+        self._pending: tuple[int, _ChunkBase | None] | None = None
         self._decoded: _ManifestMemo[ShardedManifest] = _ManifestMemo()
         self._decoded_parts: _ManifestMemo[PartManifest] = _ManifestMemo(64)
 
@@ -329,13 +342,15 @@ class ShardedStore:
             token = uuid.uuid4().hex[:8]
             written: list[str] = []
             part_tried = False
+            base = self._usable_base(options)
             try:
                 self._check_fence(generation)
                 self._ensure_dir(name)
-                files, records = self._write_data(name, ranks[0], token, chunks, options, written)
+                files, records = self._write_data(name, ranks[0], token, chunks, options, written, base)
+                delta_base = base.name if base is not None and any(r.delta for r in records) else None
                 part = PartManifest(step=step, writer_generation=generation, world_size=world_size, ranks=ranks,
                                     epoch_boundary=bool(epoch_boundary), created_unix_ns=time.time_ns(),
-                                    files=files, chunks=records, skeletons=checked)
+                                    files=files, chunks=records, skeletons=checked, delta_base=delta_base)
                 self._check_fence(generation)
                 path = f"{name}/{part.name}"
                 part_tried = True
@@ -350,6 +365,7 @@ class ShardedStore:
                     self._withdraw_if_fenced(err, generation)
                 raise
             self._own[step] = _OwnPart(part.name, written, ranks)
+            self._pending = (step, None if delta_base is not None else self._new_base(name, chunks, options))
             for stale in sorted(self._own)[:-_OWN_KEPT]:
                 # A step another rank committed never comes back here; one this long unanswered
                 # is committed or is left to the housekeeping of a later commit.
@@ -368,6 +384,43 @@ class ShardedStore:
         except Exception as err:  # the failure that got us here matters more; housekeeping retries
             logger.warning("could not remove the partial part in %s: %s", self.backend.uri(name), err)
 
+    # ------------------------------------------------------------ delta bases
+    def _usable_base(self, options: EncodeOptions) -> _ChunkBase | None:
+        """The base of this save's deltas: None (a full part) unless one is due and the base
+        is still a committed checkpoint (another writer's housekeeping may have removed one
+        that no kept checkpoint refers to)."""
+        base = self._base
+        if options.codec != "rcfz" or base is None or base.saves_since >= self.config.full_every - 1:
+            return None
+        if not self._existing_commit(base.name).committed:
+            self._base = None
+            return None
+        return base
+
+    def _new_base(self, name: str, chunks: Sequence[ChunkSource], options: EncodeOptions) -> _ChunkBase | None:
+        """A private copy of a full part's chunks, the base of later deltas once it commits."""
+        if options.codec != "rcfz" or self.config.full_every == 1:
+            return None
+        return _ChunkBase(name=name, chunks={(c.key, c.box, c.rank): copy_leaf(c.data) for c in chunks})
+
+    def _note_committed(self, step: int) -> None:
+        """The step's commit makes its full part the base, or counts one more delta of the base."""
+        if self._pending is None or self._pending[0] != step:
+            return
+        new_base = self._pending[1]
+        self._pending = None
+        if new_base is not None:
+            self._base = new_base
+        elif self._base is not None:
+            self._base.saves_since += 1
+
+    def _check_bases(self, name: str, manifest: ShardedManifest) -> None:
+        """A delta is only as good as its base: commit only while every base is committed."""
+        for base in sorted(manifest.delta_bases):
+            if not self._existing_commit(base).committed:
+                raise StorageError(self.backend.uri(name), f"its delta base {base} is not a committed checkpoint "
+                                   "(removed?): not committed")
+
     def _ensure_dir(self, name: str) -> None:
         """The step's directory, made by whichever writer comes first."""
         try:
@@ -385,23 +438,26 @@ class ShardedStore:
         self.backend.delete_file(commit.manifest_path(name))
 
     def _write_data(self, name: str, first_rank: int, token: str, chunks: Sequence[ChunkSource],
-                    options: EncodeOptions, written: list[str]) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
+                    options: EncodeOptions, written: list[str],
+                    base: _ChunkBase | None) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
         groups = _pack(chunks, self.config.part_file_bytes)
         threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
         results = map_on_threads(
-            lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options, written),
+            lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options, written,
+                                          base),
             list(enumerate(groups)), threads, "rcf-part")
         files = tuple(f for f, _ in results)
         records = tuple(r for _, rs in results for r in rs)
         return files, records
 
     def _write_file(self, name: str, file: str, group: Sequence[ChunkSource], options: EncodeOptions,
-                    written: list[str]) -> tuple[PartFile, list[ChunkRecord]]:
+                    written: list[str], base: _ChunkBase | None) -> tuple[PartFile, list[ChunkRecord]]:
         pieces: list[Any] = []
         records = []
         offset = 0
         for chunk in group:
-            encoded = encode_leaf(chunk.data, options, raw_crc=chunk.raw_crc32)
+            base_leaf = base.chunks.get((chunk.key, chunk.box, chunk.rank)) if base is not None else None
+            encoded = encode_leaf(chunk.data, options, base_leaf, raw_crc=chunk.raw_crc32)
             stored = memoryview(encoded.data).cast("B")
             start = leaf_start(offset, stored.nbytes, ALIGN_BYTES)
             if start > offset:
@@ -414,6 +470,7 @@ class ShardedStore:
                 length=stored.nbytes, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
                 crc_block_bytes=block,
                 block_crc32=tuple(crc32(stored[i:i + block]) for i in range(0, stored.nbytes, block)),
+                delta=encoded.delta,
             ))
             pieces.append(stored)
             offset = start + stored.nbytes
@@ -451,6 +508,7 @@ class ShardedStore:
                 raise
             if result.committed:
                 self._own.pop(step, None)  # a checkpoint's files now, never withdrawn
+                self._note_committed(step)
             if result.by_me:
                 self._housekeeping_after(name, step, generation)
         return result
@@ -510,6 +568,7 @@ class ShardedStore:
             raise StorageError(self.backend.uri(name), f"files {lost[:8]} missing or short: not committed")
         if not may_create:
             return CommitResult(committed=False, by_me=False)
+        self._check_bases(name, manifest)
         self._check_fence(fence)
         if not self.backend.create_exclusive(commit.manifest_path(name), encode_global(manifest)):
             return self._existing_commit(name)
@@ -634,6 +693,11 @@ class ShardedStore:
             kept_intact += entry.intact()
         if self.config.keep_epoch_boundaries:
             keep |= {d.name for d in committed if d.manifest is not None and d.manifest.epoch_boundary and d.intact()}
+        # A delta is only as good as its base: keep every base a kept checkpoint refers to,
+        # and the one this writer's next deltas refer to.
+        keep |= {base for d in committed if d.name in keep and d.manifest for base in d.manifest.delta_bases}
+        if self._base is not None:
+            keep.add(self._base.name)
         for entry in committed:
             if entry.name not in keep and entry.generation <= generation:
                 commit.remove_committed(self.backend, entry.name, generation)
@@ -755,10 +819,13 @@ class ShardedStore:
                     wanted: Mapping[str, Sequence[Box]]) -> dict[str, builtins.list[Any]]:
         """``{key: [box, ...]}`` -> the boxes' contents (tensors or ndarrays of the stored
         dtype), reading only the byte ranges of overlapping chunks (``sharded_load``)."""
+        return self.reader(ref_or_step).load_boxes(wanted)
+
+    def reader(self, ref_or_step: ShardedRef | int) -> BoxReader:
+        """A ranged reader of one checkpoint (its deltas' bases read through this store)."""
         ref = self._find(ref_or_step)
-        reader = BoxReader(self.backend, ref.name, self._read_global(ref.name),
-                           codec_threads=self.config.codec_threads)
-        return reader.load_boxes(wanted)
+        return BoxReader(self.backend, ref.name, self._read_global(ref.name), codec_threads=self.config.codec_threads,
+                         base_manifest=self._read_global)
 
     def load_skeletons(self, ref_or_step: ShardedRef | int, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """The non-tensor state of ``ranks`` (all when None), each part checked against the

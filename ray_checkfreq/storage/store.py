@@ -234,7 +234,8 @@ class CheckpointStore:
         return ShardedStore(uri, filesystem=filesystem, s3=s3, direct_io=config.direct_io,
                             protected_steps=self.protected_steps, codec=config.codec, codec_level=config.codec_level,
                             codec_threads=config.codec_threads, io_threads=config.io_threads,
-                            keep_last=config.keep_last, keep_epoch_boundaries=config.keep_epoch_boundaries)
+                            keep_last=config.keep_last, keep_epoch_boundaries=config.keep_epoch_boundaries,
+                            full_every=config.full_every)
 
     # ------------------------------------------------------------------ writing
     def save(

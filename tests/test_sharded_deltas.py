@@ -1,0 +1,198 @@
+"""XOR deltas per chunk in sharded checkpoints (format 4): a writer's part is a delta of the
+same chunks of its newest committed full part, read back bit for bit through ranged reads,
+refused by name when its base is unusable, and never left without its base by retention."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ray_checkfreq.errors import CorruptCheckpointError, StorageError
+from ray_checkfreq.storage import commit
+from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.manifest import ManifestError, body_checksum
+from ray_checkfreq.storage.sharded_manifest import GLOBAL_MANIFEST_NAME, decode_global, decode_part
+from ray_checkfreq.storage.sharded_store import ShardedStore
+from tests.test_sharded_store import assert_loads, chunks_of, full_state, save
+
+WORLD = 2
+
+
+def drifted(step: int) -> dict:
+    """A state that changes a little from step to step (what deltas are for)."""
+    state = full_state(0)
+    state["model/w"] = state["model/w"] + 1e-9 * step
+    state["optim/step"] = torch.tensor(float(step))
+    return state
+
+
+def stores(tmp_path, full_every: int = 4, **kwargs) -> list[ShardedStore]:
+    first = ShardedStore(str(tmp_path), codec="rcfz", full_every=full_every, **kwargs)
+    generation = first.acquire_writer()
+    second = ShardedStore(str(tmp_path), codec="rcfz", full_every=full_every, writer_generation=generation, **kwargs)
+    return [first, second]
+
+
+def save_step(writers: list[ShardedStore], step: int) -> None:
+    for rank, writer in enumerate(writers):
+        save(writer, step, [rank], drifted(step), WORLD)
+    assert any(writer.try_commit(step).committed for writer in writers)
+    for writer in writers:
+        assert writer.try_commit(step).committed
+
+
+def global_manifest(store: ShardedStore, step: int):
+    return decode_global(store.backend.read_small(f"{store.dir_name(step)}/{GLOBAL_MANIFEST_NAME}"))
+
+
+def test_parts_between_full_ones_are_deltas_and_load_bit_for_bit(tmp_path):
+    writers = stores(tmp_path, full_every=3, keep_last=8)
+    for step in range(1, 7):
+        save_step(writers, step)
+    kinds = []
+    for step in range(1, 7):
+        manifest = global_manifest(writers[0], step)
+        kinds.append("delta" if manifest.delta_bases else "full")
+        deltas = [c for t in manifest.tensors for c in t.chunks if c.delta]
+        if manifest.delta_bases:
+            assert manifest.delta_bases == {writers[0].dir_name(step - (step - 1) % 3)}
+            assert deltas and all(c.codec == "rcfz" for c in deltas)
+        else:
+            assert not deltas
+        assert_loads(writers[0], step, drifted(step), WORLD)
+        assert_loads(writers[0], step, drifted(step), 3)  # resharded reads decode deltas too
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta"]
+    full, delta = (global_manifest(writers[0], s).size_bytes for s in (4, 5))
+    assert delta < full / 2, (full, delta)
+
+
+def test_raw_codec_and_full_every_one_write_no_delta(tmp_path):
+    for kwargs in ({"full_every": 1}, {}):
+        root = tmp_path / str(len(kwargs))
+        first = ShardedStore(str(root), codec="rcfz", **kwargs)
+        first.acquire_writer()
+        for step in (1, 2, 3):
+            save(first, step, [0], drifted(step), 1)
+            assert first.try_commit(step).committed
+            assert not global_manifest(first, step).delta_bases
+    raw = ShardedStore(str(tmp_path / "raw"), codec="raw", full_every=4)
+    raw.acquire_writer()
+    for step in (1, 2):
+        save(raw, step, [0], drifted(step), 1)
+        raw.try_commit(step)
+        assert not global_manifest(raw, step).delta_bases
+
+
+def test_retention_keeps_the_base_of_every_kept_delta(tmp_path):
+    writers = stores(tmp_path, full_every=8, keep_last=1, keep_epoch_boundaries=False)
+    for step in range(1, 6):
+        save_step(writers, step)
+    names = [ref.name for ref in writers[0].list()]
+    assert names == [writers[0].dir_name(1), writers[0].dir_name(5)]  # the base and the newest
+    assert_loads(writers[0], 5, drifted(5), WORLD)
+
+
+def test_retention_keeps_an_older_base_after_the_writers_moved_to_a_new_one(tmp_path):
+    writers = stores(tmp_path, full_every=3, keep_last=2, keep_epoch_boundaries=False)
+    for step in range(1, 5):  # full, delta, delta, full
+        save_step(writers, step)
+    assert [ref.step for ref in writers[0].list()] == [1, 3, 4]  # 3 is kept, so is its base
+    assert_loads(writers[0], 3, drifted(3), WORLD)
+
+
+def test_a_removed_base_makes_the_next_part_full_and_a_delta_of_it_refused_by_name(tmp_path):
+    writers = stores(tmp_path, full_every=8, keep_last=8)
+    save_step(writers, 1)
+    save_step(writers, 2)
+    base = writers[0].dir_name(1)
+    commit.remove_committed(writers[0].backend, base, writers[0].writer_generation)
+    with pytest.raises(CorruptCheckpointError, match=f"delta base {base}"):
+        writers[0].load_chunks(2, {"model/w": [Box((0, 0), (256, 96))]})
+    save_step(writers, 3)  # the writers see the base gone: full parts
+    assert not global_manifest(writers[0], 3).delta_bases
+    assert_loads(writers[0], 3, drifted(3), WORLD)
+
+
+def test_a_delta_whose_base_went_before_the_commit_is_not_committed(tmp_path):
+    writers = stores(tmp_path, full_every=8, keep_last=8)
+    save_step(writers, 1)
+    for rank, writer in enumerate(writers):
+        save(writer, 2, [rank], drifted(2), WORLD)
+    commit.remove_committed(writers[0].backend, writers[0].dir_name(1), writers[0].writer_generation)
+    with pytest.raises(StorageError, match="delta base"):
+        writers[0].try_commit(2)
+    assert [ref.step for ref in writers[0].list()] == []
+
+
+def _rewrite(store: ShardedStore, path: str, change) -> None:
+    body = json.loads(store.backend.read_small(path))
+    change(body)
+    body.pop("manifest_crc32")
+    body["manifest_crc32"] = body_checksum(body)
+    from ray_checkfreq.storage.canonical_json import dumps_indented
+
+    store.backend.delete_file(path)
+    store.backend.write(path, [dumps_indented(body)])
+
+
+def test_a_delta_of_a_delta_is_refused_by_name(tmp_path):
+    writers = stores(tmp_path, full_every=8, keep_last=8)
+    for step in (1, 2, 3):
+        save_step(writers, step)
+    # Point step 3's deltas at step 2 (itself a delta): the reader must refuse, not decode garbage.
+    path = f"{writers[0].dir_name(3)}/{GLOBAL_MANIFEST_NAME}"
+    delta_dir = writers[0].dir_name(2)
+
+    def retarget(body: dict) -> None:
+        for part in body["parts"]:
+            if part["delta_base"] is not None:
+                part["delta_base"] = delta_dir
+    _rewrite(writers[0], path, retarget)
+    reader = ShardedStore(str(tmp_path))
+    with pytest.raises(CorruptCheckpointError, match="no full chunk"):
+        reader.load_chunks(3, {"model/w": [Box((0, 0), (256, 96))]})
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda b: b.__setitem__("delta_base", None), "missing for its delta chunks"),
+    (lambda b: b.__setitem__("delta_base", "../elsewhere"), "not a checkpoint directory name"),
+    (lambda b: b["chunks"][0].__setitem__("delta", "yes"), "'delta' is not true or false"),
+    (lambda b: b.update(format_version=3), "format version 3"),
+])
+def test_hostile_delta_fields_in_a_part_are_refused_by_name(tmp_path, change, reason):
+    writers = stores(tmp_path, full_every=8)
+    save_step(writers, 1)
+    part = writers[0].save_part(2, world_size=WORLD, skeletons={0: {}}, chunks=chunks_of(drifted(2), [0], WORLD))
+    assert part.delta_base is not None
+    body = json.loads(writers[0].backend.read_small(f"{writers[0].dir_name(2)}/{part.name}"))
+    change(body)
+    body.pop("manifest_crc32")
+    body["manifest_crc32"] = body_checksum(body)
+    from ray_checkfreq.storage.canonical_json import dumps_indented
+
+    with pytest.raises(ManifestError, match=reason):
+        decode_part(dumps_indented(body))
+
+
+def test_format_3_manifests_still_decode(tmp_path):
+    store = ShardedStore(str(tmp_path), codec="raw")
+    store.acquire_writer()
+    save(store, 1, [0], drifted(1), 1)
+    store.try_commit(1)
+    path = f"{store.dir_name(1)}/{GLOBAL_MANIFEST_NAME}"
+
+    def as_format_3(body: dict) -> None:
+        body["format_version"] = 3
+        for part in body["parts"]:
+            del part["delta_base"]
+        for tensor in body["tensors"]:
+            for chunk in tensor["chunks"]:
+                del chunk["delta"]
+    _rewrite(store, path, as_format_3)
+    manifest = decode_global(store.backend.read_small(path))
+    assert manifest.parts[0].delta_base is None
+    got = ShardedStore(str(tmp_path)).load_chunks(1, {"optim/v": [Box((0,), (10,))]})["optim/v"][0]
+    assert np.array_equal(np.asarray(got), drifted(1)["optim/v"])
