@@ -132,6 +132,25 @@ def resign(path: Path, edit) -> None:
         path.write_bytes(_dump(body))
 
 
+def resign_part(directory: Path, edit) -> None:
+    """Edit the part manifest (the skeleton's file) and re-sign it, then make the global
+    manifest record its new size and checksum, as an attacker of the store would."""
+    (part,) = directory.glob("part-r*.json")
+    resign(part, edit)
+    data = part.read_bytes()
+
+    def record(body):
+        body["parts"][0].update(size_bytes=len(data), crc32=crc32(data))
+    resign(directory / "manifest.json", record)
+
+
+def edit_newest(root: Path, where: str, edit) -> None:
+    if where == "part":
+        resign_part(newest_dir(root), edit)
+    else:
+        resign(newest_dir(root) / "manifest.json", edit)
+
+
 def set_path(doc, path: tuple, value) -> None:
     for key in path[:-1]:
         doc = doc[key]
@@ -153,7 +172,7 @@ def huge_int_text(root: Path, target: str, digits: int) -> None:
     """A number of ``digits`` digits where an int belongs, in a re-signed manifest or as is."""
     number = 10 ** digits - 1
     if target == "manifest":
-        resign(newest_dir(root) / "manifest.json", lambda b: b["shards"][0].update(size_bytes=number))
+        resign(newest_dir(root) / "manifest.json", lambda b: b["parts"][0]["files"][0].update(size_bytes=number))
         return
     path = pointer_file(root) if target == "pointer" else root / PROFILE_NAME
     doc = json.loads(path.read_bytes())
@@ -165,13 +184,24 @@ def huge_int_text(root: Path, target: str, digits: int) -> None:
         path.write_text(json.dumps(doc))
 
 
-# Where a wrong JSON type goes, in step 2's manifest.
+# Where a wrong JSON type goes, in step 2's global manifest or its part (the skeleton).
+SKELETON = ("skeletons", "0", "state")
 TYPED_PATHS = [
-    ("step",), ("epoch_boundary",), ("shards",), ("shards", 0, "size_bytes"), ("tensors", 0, "shape"),
-    ("tensors", 0, "offset"), ("tensors", 1, "length"), ("tensors", 0, "key"), ("meta",), ("delta_base",),
-    ("state", "dict", "model", "dict", "w", "tensor"), ("state", "dict", "model"), ("state", "dict", "meta", "dict"),
-    ("state", "dict", "meta", "dict", "betas", "tuple"), ("state", "dict", "meta", "dict", "nan", "float"),
-    ("state", "dict"), ("state",), ("tensors", 2, "dtype"), ("tensors", 2, "kind"),
+    ("global", p) for p in [
+        ("step",), ("epoch_boundary",), ("parts",), ("parts", 0, "files", 0, "size_bytes"), ("parts", 0, "crc32"),
+        ("tensors", 0, "global_shape"), ("tensors", 0, "chunks", 0, "offset"), ("tensors", 1, "chunks", 0, "length"),
+        ("tensors", 0, "key"), ("meta",), ("parts", 0, "delta_base"), ("placement",), ("history_trim",),
+        ("tensors", 2, "dtype"), ("tensors", 2, "kind"), ("tensors", 0, "chunks", 0, "delta"),
+        ("tensors", 0, "chunks", 0, "sizes"), ("tensors", 0, "chunks", 0, "block_crc32"),
+        ("tensors", 0, "chunks", 0, "file"), ("tensors", 0, "chunks"),
+    ]
+] + [
+    ("part", p) for p in [
+        SKELETON + ("dict", "model", "dict", "w", "tensor"), SKELETON + ("dict", "model"),
+        SKELETON + ("dict", "meta", "dict"), SKELETON + ("dict", "meta", "dict", "betas", "tuple"),
+        SKELETON + ("dict", "meta", "dict", "nan", "float"), SKELETON + ("dict",), SKELETON,
+        ("skeletons", "0", "keys"), ("skeletons", "0", "keys", 0), ("skeletons", "0"), ("skeletons",),
+    ]
 ]
 WRONG_VALUES = st.sampled_from(["x", "0", 1.5, 0.0, -1, [], [0], {}, {"list": 0}, {"dict": []}, {"items": [[{}, 1]]},
                                 None, True, 2 ** 70])
@@ -182,8 +212,9 @@ def forge_blob(root: Path, shape: tuple[int, ...], in_manifest: bool) -> None:
     checksum and manifest checksum all recomputed); the manifest agrees if ``in_manifest``."""
     directory = newest_dir(root)
     body = json.loads((directory / "manifest.json").read_bytes())
-    index, entry = next((i, t) for i, t in enumerate(body["tensors"]) if t["codec"] == "rcfz" and len(t["shape"]) == 2)
-    shard = directory / entry["shard"]
+    index, entry = next((i, t["chunks"][0]) for i, t in enumerate(body["tensors"])
+                        if t["chunks"][0]["codec"] == "rcfz" and len(t["global_shape"]) == 2)
+    shard = directory / entry["file"]
     data = bytearray(shard.read_bytes())
     blob = bytes(data[entry["offset"]:entry["offset"] + entry["length"]])
     header, start = blobfmt.unpack(blob)
@@ -197,9 +228,12 @@ def forge_blob(root: Path, shape: tuple[int, ...], in_manifest: bool) -> None:
 
     def edit(b):
         t = b["tensors"][index]
-        t["length"], t["stored_crc32"] = len(new_blob), crc32(new_blob)
+        chunk = t["chunks"][0]
+        block = chunk["crc_block_bytes"]
+        chunk["length"], chunk["stored_crc32"] = len(new_blob), crc32(new_blob)
+        chunk["block_crc32"] = [crc32(new_blob[i:i + block]) for i in range(0, len(new_blob), block)]
         if in_manifest:
-            t["shape"] = list(shape)
+            t["global_shape"] = chunk["sizes"] = list(shape)
 
     resign(directory / "manifest.json", edit)
 
@@ -232,7 +266,7 @@ def symlinks(root: Path, kind: str) -> None:
         shutil.copytree(newest_dir(root), target)
         (root / "step-000000000009-g000009-0badc0de").symlink_to(target)
     else:  # a shard replaced by a link to a file elsewhere
-        shard = next(newest_dir(root).glob("shard-*.bin"))
+        shard = next(newest_dir(root).glob("*.bin"))
         (outside / "big.bin").write_bytes(shard.read_bytes())
         shard.unlink()
         shard.symlink_to(outside / "big.bin")
@@ -243,15 +277,14 @@ MUTATIONS = st.one_of(
               st.sampled_from(["manifest", "pointer", "profile"]), st.integers(300, 200_000), st.booleans()),
     st.builds(lambda t, d: ("huge_int", lambda r: huge_int_text(r, t, d)),
               st.sampled_from(["manifest", "pointer", "profile"]), st.integers(41, 20_000)),
-    st.builds(lambda p, v: ("wrong_type", lambda r: resign(newest_dir(r) / "manifest.json",
-                                                          lambda b: set_path(b, p, v))),
+    st.builds(lambda p, v: ("wrong_type", lambda r: edit_newest(r, p[0], lambda b: set_path(b, p[1], v))),
               st.sampled_from(TYPED_PATHS), WRONG_VALUES),
     st.builds(lambda t, v: ("profile_type", lambda r: mutate_json_file(
         r, "profile", json.dumps({**good_profile(), "profile": {**good_profile()["profile"], t: v}}))),
               st.sampled_from(["iter_s", "gpu_copy_s", "compress", "peak_memory_bytes", "size_bytes"]),
               WRONG_VALUES),
     st.builds(lambda s: ("shape", lambda r: resign(newest_dir(r) / "manifest.json",
-                                                   lambda b: b["tensors"][0].update(shape=s))),
+                                                   lambda b: b["tensors"][0].update(global_shape=s))),
               st.sampled_from([[2**32, 2**32], [2**64], [2**62, 2**62, 2**62], [0, 2**70], [1] * 65, [2**40]])),
     # Declared sizes the manifest does not agree with, or that no blob of its length can hold.
     st.builds(lambda sm: ("forged_blob", lambda r: forge_blob(r, *sm)),
@@ -363,15 +396,14 @@ def test_a_huge_integer_makes_the_file_corrupt_not_the_store_unreadable(template
 
 def test_an_ill_typed_skeleton_with_a_valid_checksum_fails_verify_and_falls_back(template):
     with copy_of(template) as root:
-        resign(newest_dir(root) / "manifest.json",
-               lambda b: set_path(b, ("state", "dict", "model", "dict", "w", "tensor"), "0"))
+        resign_part(newest_dir(root), lambda b: set_path(b, SKELETON + ("dict", "model", "dict", "w", "tensor"), "0"))
         store = CheckpointStore(str(root))
         assert store.latest().step == 1 and same_state(store.load(), state_of(1))
         assert cli_main(["verify", str(root)]) == 1  # the fault is reported, not passed
-    for path, value in [(("state", "dict", "meta", "dict"), []),  # a container of the wrong kind
-                        (("state", "dict", "meta", "dict", "none"), {"tensor": 0.0})]:  # a second, float reference
+    for path, value in [(SKELETON + ("dict", "meta", "dict"), []),  # a container of the wrong kind
+                        (SKELETON + ("dict", "meta", "dict", "none"), {"tensor": 0.0})]:  # a second, float reference
         with copy_of(template) as root:
-            resign(newest_dir(root) / "manifest.json", lambda b, p=path, v=value: set_path(b, p, v))
+            resign_part(newest_dir(root), lambda b, p=path, v=value: set_path(b, p, v))
             store = CheckpointStore(str(root))
             assert store.latest().step == 1 and same_state(store.load(), state_of(1))
 
@@ -381,7 +413,7 @@ def test_an_overflowing_shape_is_refused_and_latest_agrees_with_load(tmp_path, s
     store = CheckpointStore(str(tmp_path), keep_last=5, full_every=1)
     store.save(1, {"w": torch.arange(4.0)}, codec="raw")
     ref = store.save(2, {"w": torch.zeros(0)}, codec="raw")
-    resign(tmp_path / ref.name / "manifest.json", lambda b: b["tensors"][0].update(shape=shape))
+    resign(tmp_path / ref.name / "manifest.json", lambda b: b["tensors"][0].update(global_shape=shape))
     reader = CheckpointStore(str(tmp_path))
     assert reader.latest().step == 1
     assert torch.equal(reader.load()["w"], torch.arange(4.0))

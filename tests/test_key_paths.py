@@ -155,16 +155,19 @@ def _plus(value, offset: float):
 
 def test_checkpoints_written_with_colliding_names_still_load(tmp_path, monkeypatch):
     """Before names were unique, {0: x, "0": y} stored two tensors named "extra/0"; those
-    checkpoints (full and delta) must still load exactly."""
+    checkpoints (format 1) must still load exactly."""
+    from legacy_writer import write_format_1
+
     from ray_checkfreq.storage import tree
 
     state = COLLIDING["int_and_str"]
-    store = CheckpointStore(str(tmp_path), codec="rcfz", full_every=4)
     with monkeypatch.context() as patch:
         patch.setattr(tree, "key_names", lambda keys, parent="": [str(k) for k in keys])
-        assert len(set(flatten_state({"extra": state}).key_paths)) == 1
-        store.save(1, {"extra": state})
-        store.save(2, {"extra": _plus(state, 100.0)})
+        flats = [flatten_state({"extra": value}) for value in (state, _plus(state, 100.0))]
+        assert len(set(flats[0].key_paths)) == 1
+    for step, flat in enumerate(flats, start=1):
+        write_format_1(str(tmp_path / f"step-{step:012d}-g000001-0000000{step}"), step, None, writer_generation=1,
+                       flat=flat)
     reader = CheckpointStore(str(tmp_path))
     assert_same_state({"extra": state}, reader.load(1))
     assert_same_state({"extra": _plus(state, 100.0)}, reader.load(2))

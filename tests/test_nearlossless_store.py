@@ -16,7 +16,8 @@ import torch
 from ray_checkfreq import CheckpointStore, codec
 from ray_checkfreq.errors import CheckpointNotFoundError
 from ray_checkfreq.storage.history import HistoryTrim
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, decode_manifest, encode_manifest
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_manifest
+from ray_checkfreq.storage.sharded_manifest import decode_any_manifest, decode_global
 
 B = 2 ** 10
 
@@ -42,7 +43,7 @@ def save_steps(store: CheckpointStore, steps, epoch_every: int = 2) -> None:
 
 
 def manifest_of(store: CheckpointStore, name: str):
-    return decode_manifest(store.backend.read_small(f"{name}/{MANIFEST_NAME}"))
+    return decode_any_manifest(store.backend.read_small(f"{name}/{MANIFEST_NAME}"))
 
 
 def check_trimmed_copy(loaded: dict, step: int) -> None:
@@ -79,7 +80,7 @@ def test_trimmed_copies_are_deltas_against_the_newest_full_trimmed_copy(tmp_path
     save_steps(store, range(1, 12))
     trimmed = [r for r in store.list() if r.trimmed]
     assert [r.step for r in trimmed] == [1, 3, 5, 7, 9]
-    bases = [manifest_of(store, r.name).delta_base for r in trimmed]
+    bases = [next(iter(manifest_of(store, r.name).delta_bases), None) for r in trimmed]
     assert bases == [None, trimmed[0].name, trimmed[0].name, None, trimmed[3].name]
     for ref in trimmed:
         check_trimmed_copy(store.load(ref.step), ref.step)
@@ -186,17 +187,38 @@ def test_config_is_validated_and_survives_pickling(tmp_path):
     assert pickle.loads(pickle.dumps(store)).config.history_trim == HistoryTrim(precision_factor=2 ** 19)
 
 
-def test_manifest_history_trim_needs_format_version_2(tmp_path):
+def test_history_trim_is_recorded_only_where_a_reader_checks_it(tmp_path):
+    import json
+
+    from ray_checkfreq.storage.canonical_json import dumps_indented
+
     store = CheckpointStore(str(tmp_path), keep_last=1, full_every=1, history_trim=HistoryTrim(precision_bits=8))
     save_steps(store, range(1, 3))
     copy = manifest_of(store, store.list()[0].name)
-    assert copy.history_trim["precision_bits"] == 8 and b'"format_version": 2' in encode_manifest(copy)
     exact = manifest_of(store, store.list()[-1].name)
-    assert exact.history_trim is None and b'"format_version": 1' in encode_manifest(exact)
+    assert copy.history_trim["precision_bits"] == 8 and exact.history_trim is None
+    body = json.loads(store.backend.read_small(f"{store.list()[-1].name}/{MANIFEST_NAME}"))
+    body.update(placement="sharded", history_trim=dict(copy.history_trim))  # a history copy is replicated
+    body["manifest_crc32"] = body_checksum(body)
+    with pytest.raises(ManifestError, match="history_trim in a sharded checkpoint"):
+        decode_global(dumps_indented(body))
+    body.update(placement="replicated", history_trim={"source": "../elsewhere", "precision_bits": 8})
+    body["manifest_crc32"] = body_checksum(body)
+    with pytest.raises(ManifestError, match="naming its source checkpoint"):
+        decode_global(dumps_indented(body))
+
+
+def test_a_format_1_manifest_with_history_trim_is_refused(tmp_path):
+    """Format 2 marked history copies; a version-1 manifest claiming one is damage."""
     import json
-    body = json.loads(encode_manifest(exact))
-    body["history_trim"] = copy.history_trim
-    from ray_checkfreq.storage.manifest import body_checksum
+
+    from legacy_writer import write_format_1
+
+    write_format_1(str(tmp_path / "step-000000000001-g000001-00000001"), 1, state_of(1), writer_generation=1)
+    path = tmp_path / "step-000000000001-g000001-00000001" / MANIFEST_NAME
+    assert b'"format_version": 1' in path.read_bytes()
+    body = json.loads(path.read_bytes())
+    body["history_trim"] = {"source": "step-000000000000-g000001-00000000", "precision_bits": 8}
     body["manifest_crc32"] = body_checksum(body)
     with pytest.raises(ManifestError, match="history_trim in a format version 1"):
         decode_manifest(json.dumps(body, indent=1).encode())

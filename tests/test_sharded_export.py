@@ -262,5 +262,8 @@ def test_the_format_exported_follows_what_the_root_holds(tmp_path):
     export(root, sharded, step=STEP)
     with safe_open(str(sharded), framework="pt") as f:
         assert set(f.keys()) == set(full_state())
-    with pytest.raises(ValueError, match="step 3 is not a sharded"):
-        export(root, tmp_path / "dcp", "dcp", step=3)
+    # A replicated checkpoint is a one-part checkpoint of whole tensors: DCP export takes it too.
+    export(root, tmp_path / "dcp", "dcp", step=3)
+    loaded = {"model.w": torch.zeros(4)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(loaded["model.w"], torch.arange(4.0))

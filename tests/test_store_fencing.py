@@ -183,19 +183,11 @@ def test_a_pickled_store_is_a_new_writer_and_a_generation_can_be_handed_over(tmp
 
 
 def test_checkpoints_written_before_fencing_still_load_and_sort_below_new_ones(tmp_path):
-    from ray_checkfreq.storage.manifest import body_checksum
+    from legacy_writer import write_format_1
 
     root = tmp_path / "run"
-    CheckpointStore(str(root), keep_last=3).save(7, _state(7))
-    (name,) = [n for n in os.listdir(root) if n.startswith("step-")]
-    old_name = name.replace("-g000001-", "-")  # the pre-fencing layout: no generation anywhere
-    os.rename(root / name, root / old_name)
-    body = json.loads((root / old_name / "manifest.json").read_text())
-    del body["writer_generation"]
-    body["manifest_crc32"] = body_checksum(body)
-    (root / old_name / "manifest.json").write_text(json.dumps(body, indent=1))
-    for marker in os.listdir(root / "writers"):
-        os.unlink(root / "writers" / marker)
+    old_name = "step-000000000007-c21e37fd"  # the pre-fencing layout: no generation anywhere
+    write_format_1(str(root / old_name), 7, _state(7))
 
     reader = CheckpointStore(str(root))
     assert [(r.step, r.writer_generation, r.name) for r in reader.list()] == [(7, 0, old_name)]

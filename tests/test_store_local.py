@@ -97,7 +97,7 @@ def test_deltas_keep_their_base_and_a_full_checkpoint_comes_every_n_saves(tmp_pa
     for step in range(1, 8):
         weights[step * 10] += 1.0  # consecutive checkpoints differ in a few values
         store.save(step, {"w": weights.clone(), "step": step})
-    bases = {ref.step: _manifest(tmp_path, ref)["delta_base"] for ref in store.list()}
+    bases = {ref.step: _manifest(tmp_path, ref)["parts"][0]["delta_base"] for ref in store.list()}
     # saves 1, 4, 7 are full; 5 and 6 are deltas against 4, which retention keeps
     assert sorted(bases) == [4, 6, 7]
     assert bases[4] is None and bases[7] is None and bases[6].startswith("step-000000000004-")
@@ -129,9 +129,10 @@ def test_compressed_and_raw_checkpoints_both_load(tmp_path):
     raw = CheckpointStore(str(tmp_path / "r"), codec="raw")
     compressed.save(1, state)
     raw.save(1, state)
-    codecs = {t["codec"] for t in _manifest(tmp_path / "z", compressed.latest())["tensors"]}
-    assert codecs == {"rcfz"}
-    assert {t["codec"] for t in _manifest(tmp_path / "r", raw.latest())["tensors"]} == {"raw"}
+    def codecs(root, ref) -> set[str]:
+        return {c["codec"] for t in _manifest(root, ref)["tensors"] for c in t["chunks"]}
+    assert codecs(tmp_path / "z", compressed.latest()) == {"rcfz"}
+    assert codecs(tmp_path / "r", raw.latest()) == {"raw"}
     assert_same_state(state, compressed.load())
     assert_same_state(state, raw.load())
 
@@ -181,7 +182,8 @@ def test_resaving_a_step_writes_new_files_and_the_newest_wins(tmp_path):
 
 
 def _shard(tmp_path, ref) -> str:
-    return str(tmp_path / ref.name / "shard-00000.bin")
+    """The checkpoint's (first) data file."""
+    return str(min((tmp_path / ref.name).glob("*.bin")))
 
 
 def _two_checkpoints(tmp_path):
@@ -204,10 +206,10 @@ def _flip_bit(path: str, offset: int) -> None:
     [
         ("truncate", "truncated"),
         ("flip_shard", "checksum mismatch|codec blob"),  # latest() decodes as load() does
-        ("delete_shard", "shard file is missing"),
+        ("delete_shard", "data file is missing"),
         ("flip_manifest", "manifest"),
         ("future_version", "format version 99 is not supported"),
-        ("escape", "not a plain file name"),
+        ("escape", "is not part-r<first rank>-<token>-<n>.bin"),
     ],
 )
 def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog, damage, reason):
@@ -228,8 +230,8 @@ def test_a_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog,
         if damage == "future_version":
             body["format_version"] = 99
         else:
-            body["shards"][0]["name"] = "../../etc/passwd"
-            body["tensors"][0]["shard"] = "../../etc/passwd"
+            body["parts"][0]["files"][0]["name"] = "../../etc/passwd"
+            body["tensors"][0]["chunks"][0]["file"] = "../../etc/passwd"
             body["manifest_crc32"] = body_checksum(body)  # well-formed, but hostile
         manifest_path.write_text(json.dumps(body, indent=1))
     caplog.set_level(logging.WARNING, logger="ray_checkfreq.storage")

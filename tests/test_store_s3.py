@@ -50,21 +50,21 @@ def test_multipart_upload_of_a_checkpoint_larger_than_the_threshold(s3_server, s
         store = CheckpointStore(f"s3://{s3_bucket}/big", s3=options, shard_size_bytes=64 * MiB, codec="raw")
         state = _state(1, numel=3 * MiB)  # 12 MiB of float32 in one shard
         store.save(1, state)
-        uploads = [p for m, p in proxy.requests if m == "PUT" and "uploadId=" in p and "shard-00000" in p]
+        uploads = [p for m, p in proxy.requests if m == "PUT" and "uploadId=" in p and ".bin" in p]
         assert len(uploads) >= 3, "the shard went up in at least three parts"
         assert_same_state(state, store.load())
 
 
 def _shard_put(method: str, path: str) -> bool:
-    return method == "PUT" and "shard-" in path
+    return method == "PUT" and ".bin" in path  # a data file
 
 
 def test_server_errors_and_dropped_connections_are_retried(s3_server, s3_bucket):
     with FaultProxy(urlparse(s3_server).port) as proxy:
         proxy.add_rule(_shard_put, "500", times=2)
         proxy.add_rule(lambda m, p: m == "PUT" and "manifest.json" in p, "drop", times=1)
-        proxy.add_rule(lambda m, p: m == "GET" and "shard-" in p, "503", times=1)
-        proxy.add_rule(lambda m, p: m == "GET" and "shard-" in p, "drop", times=1)
+        proxy.add_rule(lambda m, p: m == "GET" and ".bin" in p, "503", times=1)
+        proxy.add_rule(lambda m, p: m == "GET" and ".bin" in p, "drop", times=1)
         store = CheckpointStore(f"s3://{s3_bucket}/flaky", s3=S3Options(endpoint_url=proxy.url))
         store.save(5, _state(5))
         assert_same_state(_state(5), store.load())
@@ -77,7 +77,7 @@ def test_a_save_that_keeps_failing_leaves_no_manifest_and_the_last_checkpoint(s3
     with FaultProxy(urlparse(s3_server).port) as proxy:
         store = CheckpointStore(f"s3://{s3_bucket}/broken", s3=S3Options(endpoint_url=proxy.url, max_attempts=3))
         store.save(1, _state(1))
-        marker = "shard-" if failing == "shard" else "manifest.json"
+        marker = ".bin" if failing == "shard" else "manifest.json"
         proxy.add_rule(lambda m, p: m == "PUT" and marker in p and "step-000000000002" in p, "500", times=10**6)
         with pytest.raises(StorageError, match="InternalError") as info:
             store.save(2, _state(2))

@@ -32,7 +32,7 @@ MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32"
 # Shard names are plain file names: nothing a manifest says can leave its directory.
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
+LEAF_TAGS = {"torch": ("tensor",), "numpy": ("ndarray", "npscalar")}
 # Limits a manifest must keep (docs/format.md); past them it is corrupt. Every size and
 # offset is a Python int, so nothing overflows while they are checked.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -87,6 +87,13 @@ class Manifest:
     @property
     def size_bytes(self) -> int:
         return sum(shard.size_bytes for shard in self.shards)
+
+    @property
+    def delta_bases(self) -> frozenset[str]:
+        return frozenset() if self.delta_base is None else frozenset((self.delta_base,))
+
+    def expected_files(self) -> dict[str, int]:
+        return {shard.name: shard.size_bytes for shard in self.shards}
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -198,6 +205,11 @@ def _parse_history_trim(body: dict) -> dict | None:
         if value is not None:
             raise ManifestError(f"history_trim in a format version {FORMAT_VERSION} manifest")
         return None
+    return parse_history_trim(value)
+
+
+def parse_history_trim(value: Any) -> dict:
+    """A history copy's ``history_trim`` record, checked; raises ManifestError."""
     if not isinstance(value, dict) or not isinstance(value.get("source"), str) \
             or not CHECKPOINT_DIR.match(value["source"]):
         raise ManifestError(f"history_trim {value!r:.200}: expected an object naming its source checkpoint")
@@ -293,7 +305,7 @@ def _check_refs(state: Any, tensors: tuple[TensorEntry, ...]) -> None:
     if sorted(index for _, index in refs) != list(range(len(tensors))):
         raise ManifestError("state skeleton does not reference every tensor exactly once")
     for tag, index in refs:
-        if tag not in _LEAF_TAGS[tensors[index].spec.kind]:
+        if tag not in LEAF_TAGS[tensors[index].spec.kind]:
             raise ManifestError(f"tensor {tensors[index].key!r} referenced as {tag}")
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, Manifest
+from ray_checkfreq.storage.sharded_manifest import ShardedManifest
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -33,7 +34,7 @@ class StoredEntry:
     step: int
     generation: int
     files: dict[str, int]
-    manifest: Manifest | None = None
+    manifest: Manifest | ShardedManifest | None = None  # format 1-2, or 3-4
     fault: CorruptCheckpointError | None = None
     abandoned: bool = False  # its manifest name holds an abandon record (commit.py)
     vanished: bool = False  # its manifest was listed, then gone when read
@@ -53,7 +54,7 @@ class StoredEntry:
 
     def shards_present(self) -> bool:
         assert self.manifest is not None
-        return all(self.files.get(s.name) == s.size_bytes for s in self.manifest.shards)
+        return all(self.files.get(name) == size for name, size in self.manifest.expected_files().items())
 
     def intact(self) -> bool:
         return self.manifest is not None and self.shards_present()
@@ -103,14 +104,14 @@ def plan_retention(entries: Sequence[StoredEntry], *, keep_last: int, keep_epoch
     if newest_verified is not None:
         keep.add(newest_verified)
     # A delta is only as good as its base: keep every base a kept checkpoint refers to.
-    keep |= {e.manifest.delta_base for e in entries if e.name in keep and e.manifest and e.manifest.delta_base}
+    keep |= {base for e in entries if e.name in keep and e.manifest for base in e.manifest.delta_bases}
     delete = tuple(e.name for e in entries if e.name not in keep and removable(e, writer_generation))
     if not trim:
         return RetentionPlan(keep=frozenset(keep), delete=delete)
     kept = [e for e in entries if e.name in keep]
     untouchable = recent | {just_saved, newest_verified or just_saved}
     untouchable |= {e.name for e in kept if e.step in protected_steps}
-    in_use = {e.manifest.delta_base for e in kept if e.manifest and not e.trimmed and e.manifest.delta_base}
+    in_use = {base for e in kept if e.manifest and not e.trimmed for base in e.manifest.delta_bases}
     if delta_base_in_use is not None:
         in_use.add(delta_base_in_use)
     candidates = [e.name for e in kept

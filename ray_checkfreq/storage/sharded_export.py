@@ -52,14 +52,16 @@ DCP_METADATA = ".metadata"
 
 
 # ------------------------------------------------------------------ which checkpoint
-def find_sharded(sharded: ShardedStore, plain: CheckpointStore, step: int | None) -> ShardedRef | None:
-    """The sharded checkpoint to export, or None when the one asked for is format 1/2.
+def find_sharded(sharded: ShardedStore, plain: CheckpointStore, step: int | None, *,
+                 replicated: bool = False) -> ShardedRef | None:
+    """The sharded checkpoint to export, or None when the one asked for is a replicated one
+    (format 1/2, or format 4 of ``CheckpointStore.save``, unless ``replicated``).
 
     With ``step``: its newest complete sharded checkpoint; an incomplete one (part
     manifests but no commit, or a file missing) is an error naming the store and step.
-    Without: the newest complete sharded checkpoint if it is newer than every format 1/2 one.
+    Without: the newest complete sharded checkpoint if it is newer than every replicated one.
     """
-    refs = sharded.list()
+    refs = sharded.list(replicated=replicated)
     if step is None:
         if not refs:
             return None
@@ -71,6 +73,8 @@ def find_sharded(sharded: ShardedStore, plain: CheckpointStore, step: int | None
     matches = [r for r in refs if r.step == step]
     if matches:
         return matches[-1]
+    if not replicated and any(r.step == step for r in sharded.list(replicated=True)):
+        return None  # a replicated checkpoint of format 4: exported as its state
     if _has_parts(sharded, step):
         raise CheckpointNotFoundError(f"{sharded.uri}: the sharded checkpoint of step {step} is incomplete "
                                       "(not committed, or a part or data file is missing or damaged)")
@@ -265,14 +269,14 @@ def export_store(plain: CheckpointStore, sharded: ShardedStore, step: int | None
         if fmt == "dcp":
             raise ValueError("--format dcp: near-lossless trimming (--precision-*) is for .safetensors / .pt only")
         codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
-    ref = find_sharded(sharded, plain, step)
+    ref = find_sharded(sharded, plain, step, replicated=fmt == "dcp")
     if ref is not None:
         return export_sharded(sharded, ref, target, fmt=fmt, precision_factor=precision_factor,
                               precision_bits=precision_bits)
     if fmt == "dcp":
         what = "the newest checkpoint" if step is None else f"step {step}"
-        raise ValueError(f"{plain.uri}: {what} is not a sharded (format 3) checkpoint; --format dcp exports "
-                         "sharded checkpoints only")
+        raise ValueError(f"{plain.uri}: {what} is a format 1 or 2 checkpoint; --format dcp exports "
+                         "checkpoints of format 3 and later")
     return export_checkpoint(plain, step, target, precision_factor=precision_factor, precision_bits=precision_bits)
 
 

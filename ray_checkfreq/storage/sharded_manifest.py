@@ -32,21 +32,26 @@ from typing import Any
 from ray_checkfreq.codec import MAX_EXPANSION
 from ray_checkfreq.storage.arrays import LeafSpec, numpy_dtype, torch_dtype
 from ray_checkfreq.storage.canonical_json import dumps_indented
-from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, check_tiling
+from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, check_tiling, whole
 from ray_checkfreq.storage.manifest import (
     CHECKSUM_ALGORITHM,
     CODECS,
     FORMAT_NAME,
+    LEAF_TAGS,
     MANIFEST_NAME,
     MAX_CRC32,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     MAX_SIZE_BYTES,
+    Manifest,
     ManifestError,
     body_checksum,
+    decode_manifest,
+    parse_history_trim,
 )
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, parse_checkpoint_dir
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
+from ray_checkfreq.storage.tree import SkeletonError, skeleton_leaf_refs
 
 FORMAT_VERSION_SHARDED = 4
 READABLE_SHARDED_VERSIONS = (3, FORMAT_VERSION_SHARDED)
@@ -54,7 +59,11 @@ KIND_PART = "part"
 KIND_SHARDED = "sharded"
 GLOBAL_MANIFEST_NAME = MANIFEST_NAME
 MAX_WORLD_SIZE = 1 << 20
-MAX_KEY_CHARS = 4096
+MAX_KEY_CHARS = 1 << 16
+# "replicated": one part whose rank-0 skeleton is the whole state (``CheckpointStore.save``):
+# ``{"state": skeleton, "keys": [tensor key of leaf i, ...]}``; "sharded": a skeleton per
+# rank, the engine's (FSDP2 / HSDP). Format 3 checkpoints are all "sharded".
+PLACEMENTS = ("replicated", "sharded")
 MIN_CRC_BLOCK = 4096
 MAX_CRC_BLOCK = 1 << 30
 PART_MANIFEST = re.compile(r"^part-r(?P<rank>[0-9]{5,7})\.json$")
@@ -97,6 +106,17 @@ class ChunkRecord:
 
 
 @dataclass(frozen=True)
+class CheckpointAttributes:
+    """What a checkpoint is, beside its data: the same in every part and in the global manifest."""
+
+    placement: str = "sharded"
+    meta: Mapping[str, Any] = field(default_factory=dict)  # the user's JSON (``save(meta=)``)
+    # A near-lossless history copy (storage/history.py): {"source": the directory it was
+    # made from, "precision_factor" or "precision_bits": the setting}; None: exact.
+    history_trim: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class PartFile:
     name: str
     size_bytes: int
@@ -114,6 +134,7 @@ class PartManifest:
     chunks: tuple[ChunkRecord, ...]
     skeletons: Mapping[int, Any] = field(default_factory=dict)  # rank -> JSON
     delta_base: str | None = None  # the checkpoint directory its delta chunks refer to
+    attributes: CheckpointAttributes = field(default_factory=lambda: CheckpointAttributes())
 
     @property
     def name(self) -> str:
@@ -150,6 +171,21 @@ class ShardedManifest:
     created_unix_ns: int
     parts: tuple[PartEntry, ...]
     tensors: tuple[TensorIndex, ...]
+    attributes: CheckpointAttributes = field(default_factory=lambda: CheckpointAttributes())
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        return self.attributes.meta
+
+    @property
+    def history_trim(self) -> Mapping[str, Any] | None:
+        return self.attributes.history_trim
+
+    def expected_files(self) -> dict[str, int]:
+        """Every file of the checkpoint (part manifests and data files) with its size."""
+        expected = {p.name: p.size_bytes for p in self.parts}
+        expected.update((f.name, f.size_bytes) for p in self.parts for f in p.files)
+        return expected
 
     @property
     def size_bytes(self) -> int:
@@ -186,6 +222,7 @@ def encode_part(part: PartManifest) -> bytes:
                            **_chunk_place_json(c)) for c in part.chunks]
     body["skeletons"] = {str(rank): part.skeletons[rank] for rank in part.ranks}
     body["delta_base"] = part.delta_base
+    _put_attributes(body, part.attributes)
     return _signed(body)
 
 
@@ -197,7 +234,14 @@ def encode_global(manifest: ShardedManifest) -> bytes:
                      for p in manifest.parts]
     body["tensors"] = [{"key": t.key, "kind": t.kind, "dtype": t.dtype, "global_shape": list(t.global_shape),
                         "chunks": [_chunk_place_json(c) for c in t.chunks]} for t in manifest.tensors]
+    _put_attributes(body, manifest.attributes)
     return _signed(body)
+
+
+def _put_attributes(body: dict, attributes: CheckpointAttributes) -> None:
+    body["placement"] = attributes.placement
+    body["meta"] = dict(attributes.meta)
+    body["history_trim"] = None if attributes.history_trim is None else dict(attributes.history_trim)
 
 
 def merge_parts(step: int, writer_generation: int, world_size: int, created_unix_ns: int,
@@ -222,9 +266,12 @@ def merge_parts(step: int, writer_generation: int, world_size: int, created_unix
     epochs = {p.epoch_boundary for p, _, _ in ordered}
     if len(epochs) > 1:
         raise ManifestError("parts disagree on whether the step is an epoch boundary")
+    attributes = ordered[0][0].attributes if ordered else CheckpointAttributes()
+    if any(p.attributes != attributes for p, _, _ in ordered):
+        raise ManifestError("parts disagree on the checkpoint's placement, meta or history_trim")
     manifest = ShardedManifest(step=step, writer_generation=writer_generation, world_size=world_size,
                                epoch_boundary=epochs.pop() if epochs else False, created_unix_ns=created_unix_ns,
-                               parts=entries, tensors=tensors)
+                               parts=entries, tensors=tensors, attributes=attributes)
     _check_global(manifest)
     return manifest
 
@@ -276,7 +323,8 @@ def decode_part(data: bytes, *, name: str | None = None) -> PartManifest:
     return PartManifest(step=_int(body, "step", MAX_STEP), writer_generation=generation, world_size=world_size,
                         ranks=ranks, epoch_boundary=_field(body, "epoch_boundary", bool),
                         created_unix_ns=_int(body, "created_unix_ns"), files=files, chunks=chunks,
-                        skeletons={r: skeletons[str(r)] for r in ranks}, delta_base=delta_base)
+                        skeletons={r: skeletons[str(r)] for r in ranks}, delta_base=delta_base,
+                        attributes=_attributes(body))
 
 
 def decode_global(data: bytes) -> ShardedManifest:
@@ -299,7 +347,8 @@ def _decode_global(data: bytes) -> ShardedManifest:
     _check_no_deltas_before_4(body, [c for t in tensors for c in t.chunks])
     manifest = ShardedManifest(step=_int(body, "step", MAX_STEP), writer_generation=_generation(body),
                                world_size=world_size, epoch_boundary=_field(body, "epoch_boundary", bool),
-                               created_unix_ns=_int(body, "created_unix_ns"), parts=parts, tensors=tensors)
+                               created_unix_ns=_int(body, "created_unix_ns"), parts=parts, tensors=tensors,
+                               attributes=_attributes(body))
     _check_global(manifest)
     return manifest
 
@@ -316,6 +365,40 @@ def _claims_sharded(data: bytes) -> bool:
     except StoredJsonError:
         return False
     return isinstance(body, dict) and body.get("format_version") in READABLE_SHARDED_VERSIONS
+
+
+def decode_any_manifest(data: bytes) -> Manifest | ShardedManifest:
+    """A checkpoint's ``manifest.json`` of any readable format: 3 and 4 here, 1 and 2 by
+    the legacy decoder. Raises ManifestError with the reason."""
+    return decode_global(data) if is_sharded_manifest(data) else decode_manifest(data)
+
+
+def replicated_skeleton(part: PartManifest, manifest: ShardedManifest) -> tuple[Any, list[str]]:
+    """The state skeleton and leaf keys of a replicated checkpoint's one part, checked: the
+    skeleton names every leaf once, each leaf a tensor of one whole chunk of its kind."""
+    if part.ranks != (0,) or manifest.world_size != 1:
+        raise ManifestError("a replicated checkpoint has one part, of rank 0")
+    body = part.skeletons[0]
+    if not isinstance(body, dict) or sorted(body) != ["keys", "state"]:
+        raise ManifestError("the skeleton of a replicated checkpoint is {state, keys}")
+    keys = body["keys"]
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        raise ManifestError("skeleton keys: expected a list of distinct tensor keys")
+    if len(keys) != len(manifest.tensors):
+        raise ManifestError(f"skeleton names {len(keys)} leaves, the checkpoint holds {len(manifest.tensors)}")
+    try:
+        refs = skeleton_leaf_refs(body["state"])
+    except SkeletonError as err:
+        raise ManifestError(f"state skeleton: {err}") from None
+    if sorted(index for _, index in refs) != list(range(len(keys))):
+        raise ManifestError("state skeleton does not reference every tensor exactly once")
+    for tag, index in refs:
+        tensor = manifest.tensor(keys[index])
+        if tensor is None or len(tensor.chunks) != 1 or tensor.chunks[0].box != whole(tensor.global_shape):
+            raise ManifestError(f"leaf {keys[index]!r:.80} is not one whole tensor of the checkpoint")
+        if tag not in LEAF_TAGS[tensor.kind]:
+            raise ManifestError(f"tensor {tensor.key!r:.80} referenced as {tag}")
+    return body["state"], keys
 
 
 def _checked_body(data: bytes, kind: str) -> dict:
@@ -403,8 +486,8 @@ def _part_chunk(raw: Any, sizes: dict[str, int], ranks: set[int]) -> ChunkRecord
 
 def _tensor_identity(raw: dict) -> tuple[str, str, str, tuple[int, ...]]:
     key = _field(raw, "key", str)
-    if not key or len(key) > MAX_KEY_CHARS:
-        raise ManifestError(f"tensor key {key!r:.80}: empty or longer than {MAX_KEY_CHARS} characters")
+    if len(key) > MAX_KEY_CHARS:
+        raise ManifestError(f"tensor key {key!r:.80}: longer than {MAX_KEY_CHARS} characters")
     kind, dtype = _field(raw, "kind", str), _field(raw, "dtype", str)
     try:
         if kind == "torch":
@@ -496,6 +579,22 @@ def _check_part_bases(parts: Sequence[PartEntry], tensors: Sequence[TensorIndex]
         if (part.delta_base is not None) != has_delta:
             raise ManifestError(f"part {part.name}: delta_base {part.delta_base!r:.80} " + (
                 "without a delta chunk" if part.delta_base is not None else "missing for its delta chunks"))
+
+
+def _attributes(body: dict) -> CheckpointAttributes:
+    if body["format_version"] < 4:
+        if any(name in body for name in ("placement", "meta", "history_trim")):
+            raise ManifestError(f"format version {body['format_version']} with fields of format 4")
+        return CheckpointAttributes()
+    placement = body.get("placement")
+    if placement not in PLACEMENTS:
+        raise ManifestError(f"placement {placement!r:.40}: expected one of {PLACEMENTS}")
+    trim = body.get("history_trim")
+    if trim is not None:
+        trim = parse_history_trim(trim)
+        if placement != "replicated":
+            raise ManifestError("history_trim in a sharded checkpoint (history copies are replicated)")
+    return CheckpointAttributes(placement=placement, meta=_field(body, "meta", dict), history_trim=trim)
 
 
 def _check_no_deltas_before_4(body: dict, chunks: Sequence[ChunkRecord]) -> None:

@@ -56,16 +56,14 @@ from ray_checkfreq.errors import (
     StorageError,
 )
 from ray_checkfreq.storage import commit, fencing, metadata_docs
-from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
-from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf, encode_leaf
+from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf
 from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
-from ray_checkfreq.storage.parallel import map_on_threads
+from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, write_part_files
 from ray_checkfreq.storage.retention import protected_steps_now
 from ray_checkfreq.storage.sharded_load import BoxReader
 from ray_checkfreq.storage.sharded_manifest import (
@@ -84,7 +82,6 @@ from ray_checkfreq.storage.sharded_manifest import (
     encode_part,
     is_sharded_manifest,
     merge_parts,
-    part_file_name,
     part_manifest_name,
 )
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
@@ -93,8 +90,6 @@ logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
 Decoded = TypeVar("Decoded")
-ALIGN_BYTES = 64
-_ZEROS = bytes(BLOCK)
 MAX_SKELETON_BYTES = 16 * MiB
 # A loser of the commit reads the winner's manifest at most this often before it gives up.
 _MANIFEST_READS = 3
@@ -132,23 +127,6 @@ class ShardedConfig:
             raise ValueError(f"keep_epoch_boundaries={self.keep_epoch_boundaries!r}: must be True or False")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ChunkSource:
-    """One rank's piece of a tensor to save: ``data`` is the box at ``offsets`` of a
-    tensor of ``global_shape`` (its sizes are ``data.shape``)."""
-
-    key: str
-    data: Any  # a torch.Tensor or numpy.ndarray (contiguous, on the CPU is cheapest)
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    rank: int
-    raw_crc32: int | None = None  # the bytes' checksum where known (a slot's seal); kept as given
-
-    @property
-    def box(self) -> Box:
-        return Box(tuple(self.offsets), tuple(self.data.shape))
-
-
 @dataclass(frozen=True)
 class ShardedRef:
     """A committed sharded checkpoint."""
@@ -161,6 +139,7 @@ class ShardedRef:
     epoch_boundary: bool
     created_unix_ns: int
     size_bytes: int
+    placement: str = "sharded"  # "replicated": written by CheckpointStore.save (one part)
 
 
 @dataclass(frozen=True)
@@ -440,46 +419,11 @@ class ShardedStore:
     def _write_data(self, name: str, first_rank: int, token: str, chunks: Sequence[ChunkSource],
                     options: EncodeOptions, written: list[str],
                     base: _ChunkBase | None) -> tuple[tuple[PartFile, ...], tuple[ChunkRecord, ...]]:
-        groups = _pack(chunks, self.config.part_file_bytes)
-        threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
-        results = map_on_threads(
-            lambda item: self._write_file(name, part_file_name(first_rank, token, item[0]), item[1], options, written,
-                                          base),
-            list(enumerate(groups)), threads, "rcf-part")
-        files = tuple(f for f, _ in results)
-        records = tuple(r for _, rs in results for r in rs)
-        return files, records
-
-    def _write_file(self, name: str, file: str, group: Sequence[ChunkSource], options: EncodeOptions,
-                    written: list[str], base: _ChunkBase | None) -> tuple[PartFile, list[ChunkRecord]]:
-        pieces: list[Any] = []
-        records = []
-        offset = 0
-        for chunk in group:
-            base_leaf = base.chunks.get((chunk.key, chunk.box, chunk.rank)) if base is not None else None
-            encoded = encode_leaf(chunk.data, options, base_leaf, raw_crc=chunk.raw_crc32)
-            stored = memoryview(encoded.data).cast("B")
-            start = leaf_start(offset, stored.nbytes, ALIGN_BYTES)
-            if start > offset:
-                pieces.append(_ZEROS[:start - offset])
-            spec = leaf_spec(chunk.data)
-            block = self.config.crc_block_bytes
-            records.append(ChunkRecord(
-                key=chunk.key, kind=spec.kind, dtype=spec.dtype, global_shape=tuple(chunk.global_shape),
-                box=chunk.box, rank=chunk.rank, codec=encoded.codec, file=file, offset=start,
-                length=stored.nbytes, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
-                crc_block_bytes=block,
-                block_crc32=tuple(crc32(stored[i:i + block]) for i in range(0, stored.nbytes, block)),
-                delta=encoded.delta,
-            ))
-            pieces.append(stored)
-            offset = start + stored.nbytes
-        if offset % ALIGN_BYTES:
-            pieces.append(_ZEROS[:-offset % ALIGN_BYTES])
-            offset += -offset % ALIGN_BYTES
-        written.append(file)  # before the write: a failed one may leave a partial file
-        self.backend.write(f"{name}/{file}", pieces)
-        return PartFile(name=file, size_bytes=offset), records
+        layout = PartLayout(file_bytes=self.config.part_file_bytes, crc_block_bytes=self.config.crc_block_bytes,
+                            threads=min(self.config.io_threads,
+                                        self.backend.max_parallel_writes or self.config.io_threads))
+        return write_part_files(self.backend, name, first_rank, token, chunks, options, layout, written,
+                                base.chunks if base is not None else None)
 
     def _delete_files(self, name: str, files: Sequence[str]) -> None:
         for file in files:
@@ -786,10 +730,12 @@ class ShardedStore:
         self._decoded.put(name, data, manifest)
         return manifest
 
-    def list(self) -> builtins.list[ShardedRef]:
-        """Complete sharded checkpoints (valid global manifest, every file at its size), oldest first."""
+    def list(self, *, replicated: bool = False) -> builtins.list[ShardedRef]:
+        """Complete sharded checkpoints (valid global manifest, every file at its size), oldest
+        first; with ``replicated``, those of ``CheckpointStore.save`` (one part) as well."""
         dirs = sorted((d for d in self._scan(settled=True) if d.intact()), key=_Dir.order_key)
-        return [self._ref(d.name, d.manifest) for d in dirs if d.manifest is not None]
+        return [self._ref(d.name, d.manifest) for d in dirs if d.manifest is not None
+                and (replicated or d.manifest.attributes.placement == "sharded")]
 
     def latest(self) -> ShardedRef | None:
         """The newest complete sharded checkpoint (bytes are checked as they are loaded)."""
@@ -800,12 +746,12 @@ class ShardedStore:
         return ShardedRef(step=manifest.step, name=name, uri=self.backend.uri(name),
                           writer_generation=manifest.writer_generation, world_size=manifest.world_size,
                           epoch_boundary=manifest.epoch_boundary, created_unix_ns=manifest.created_unix_ns,
-                          size_bytes=manifest.size_bytes)
+                          size_bytes=manifest.size_bytes, placement=manifest.attributes.placement)
 
     def _find(self, ref_or_step: ShardedRef | int) -> ShardedRef:
         if isinstance(ref_or_step, ShardedRef):
             return ref_or_step
-        matches = [r for r in self.list() if r.step == ref_or_step]
+        matches = [r for r in self.list(replicated=True) if r.step == ref_or_step]
         if not matches:
             raise CheckpointNotFoundError(f"no complete sharded checkpoint for step {ref_or_step} in {self.uri}")
         return matches[-1]
@@ -885,20 +831,6 @@ def _expected_files(manifest: ShardedManifest) -> dict[str, int]:
 
 def _missing_files(manifest: ShardedManifest, files: Mapping[str, int]) -> builtins.list[str]:
     return [name for name, size in _expected_files(manifest).items() if files.get(name) != size]
-
-
-def _pack(chunks: Sequence[ChunkSource], file_bytes: int) -> builtins.list[builtins.list[ChunkSource]]:
-    """Chunks in order, in groups of about ``file_bytes`` (one group at least)."""
-    groups: list[list[ChunkSource]] = [[]]
-    size = 0
-    for chunk in chunks:
-        nbytes = leaf_spec(chunk.data).nbytes
-        if groups[-1] and size + nbytes > file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(chunk)
-        size = leaf_start(size, nbytes, ALIGN_BYTES) + nbytes
-    return groups
 
 
 def _check_step(step: Any) -> None:

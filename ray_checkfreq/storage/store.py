@@ -56,27 +56,30 @@ from ray_checkfreq.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from ray_checkfreq.storage import commit, fencing, metadata_docs
-from ray_checkfreq.storage.arrays import leaf_spec
+from ray_checkfreq.storage import commit, fencing, legacy, metadata_docs
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
-from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
-from ray_checkfreq.storage.encoding import EncodeOptions, LeafDecodeError, copy_leaf, decode_leaf, encode_leaf
+from ray_checkfreq.storage.chunks import Box, whole
+from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf
 from ray_checkfreq.storage.history import HistoryTrim
-from ray_checkfreq.storage.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    TensorEntry,
-    decode_manifest,
-    encode_manifest,
-)
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
 from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
-from ray_checkfreq.storage.parallel import map_on_threads
+from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, write_part_files
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
+from ray_checkfreq.storage.sharded_load import BoxReader
+from ray_checkfreq.storage.sharded_manifest import (
+    CheckpointAttributes,
+    ChunkRecord,
+    PartManifest,
+    ShardedManifest,
+    decode_any_manifest,
+    decode_part,
+    encode_global,
+    encode_part,
+    merge_parts,
+    replicated_skeleton,
+)
 from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
@@ -85,8 +88,7 @@ logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
 MAX_METADATA_BYTES = 16 * MiB
-ALIGN_BYTES = 64
-_ZEROS = bytes(BLOCK)
+CRC_BLOCK_BYTES = 1 * MiB  # a ranged read of a replicated checkpoint checks blocks of this size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +156,17 @@ class _DeltaBase:
     """The newest full checkpoint written by this store object, kept for deltas."""
 
     name: str
-    leaves: dict[str, Any]
+    chunks: dict[tuple[str, Box, int], Any]  # (key, whole box, rank 0) -> a private copy
     saves_since: int = 0
+
+
+@dataclass
+class _Loaded:
+    """A replicated checkpoint read back: its skeleton, and its leaves in skeleton order."""
+
+    skeleton: Any
+    keys: builtins.list[str]
+    leaves: builtins.list[Any]
 
 
 class CheckpointStore:
@@ -339,88 +350,76 @@ class CheckpointStore:
             return None
         return base
 
-    def _remember_base(self, name: str, manifest: Manifest, flat: Any, options: EncodeOptions) -> None:
+    def _remember_base(self, name: str, manifest: ShardedManifest, flat: Any, options: EncodeOptions) -> None:
         """Keep a private copy of a full checkpoint's leaves as the base of the next deltas."""
-        if manifest.delta_base is not None:
+        if manifest.delta_bases:
             assert self._base is not None
             self._base.saves_since += 1
         elif options.codec == "rcfz" and self.config.full_every > 1:
-            leaves = {key: copy_leaf(leaf) for key, leaf in zip(flat.key_paths, flat.leaves)}
-            self._base = _DeltaBase(name=name, leaves=leaves)
+            self._base = _DeltaBase(name=name, chunks=_whole_chunks(flat.key_paths, map(copy_leaf, flat.leaves)))
         else:
             self._base = None
 
     def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict,
                           options: EncodeOptions, base: _DeltaBase | None, *,
-                          history_trim: dict | None = None, known_crcs: list[int | None] | None = None) -> Manifest:
+                          history_trim: dict | None = None,
+                          known_crcs: list[int | None] | None = None) -> ShardedManifest:
+        """One part of whole-tensor chunks (the replicated placement), then the manifest."""
+        generation = self._generation
+        assert generation is not None
         self.backend.make_dir(name)
-        plan = _plan_shards(flat.leaves, self.config.shard_size_bytes)
-        threads = min(self.config.io_threads, self.backend.max_parallel_writes or self.config.io_threads)
-        results = map_on_threads(
-            lambda item: self._write_shard(name, item[0], item[1], flat, options, base, known_crcs),
-            list(plan.items()), threads, "rcf-write")
-        tensors = sorted((t for entries, _ in results for t in entries), key=lambda t: t[0])
-        entries = tuple(entry for _, entry in tensors)
-        manifest = Manifest(
-            step=step,
-            epoch_boundary=bool(epoch_boundary),
-            created_unix_ns=time.time_ns(),
-            shards=tuple(shard for _, shard in results),
-            tensors=entries,
-            state=flat.skeleton,
-            meta=meta,
-            delta_base=base.name if base is not None and any(t.delta for t in entries) else None,
-            writer_generation=self._generation or 0,
-            history_trim=history_trim,
-        )
+        chunks = [ChunkSource(key=key, data=leaf, global_shape=tuple(leaf.shape), offsets=(0,) * leaf.ndim, rank=0,
+                              raw_crc32=known_crcs[index] if known_crcs else None)
+                  for index, (key, leaf) in enumerate(zip(flat.key_paths, flat.leaves))]
+        layout = PartLayout(file_bytes=self.config.shard_size_bytes, crc_block_bytes=CRC_BLOCK_BYTES,
+                            threads=min(self.config.io_threads,
+                                        self.backend.max_parallel_writes or self.config.io_threads))
+        files, records = write_part_files(self.backend, name, 0, uuid.uuid4().hex[:8], chunks, options, layout, [],
+                                          base.chunks if base is not None else None)
+        part = PartManifest(
+            step=step, writer_generation=generation, world_size=1, ranks=(0,), epoch_boundary=bool(epoch_boundary),
+            created_unix_ns=time.time_ns(), files=files, chunks=records,
+            skeletons={0: {"state": flat.skeleton, "keys": flat.key_paths}},
+            delta_base=base.name if base is not None and any(r.delta for r in records) else None,
+            attributes=CheckpointAttributes(placement="replicated", meta=meta, history_trim=history_trim))
+        data = encode_part(part)
+        if not self.backend.create_exclusive(f"{name}/{part.name}", data):
+            raise StorageError(self.backend.uri(f"{name}/{part.name}"), "a part is there already: two writers "
+                               "share a generation?")
+        try:
+            manifest = merge_parts(step, generation, 1, part.created_unix_ns, [(part, len(data), crc32(data))])
+        except ManifestError as err:  # the state made a manifest a reader would refuse
+            raise UnsupportedStateError("<root>", str(err)) from None
         self._check_fence()
         self._commit(name, manifest)
         return manifest
 
-    def _commit(self, name: str, manifest: Manifest) -> None:
+    def _commit(self, name: str, manifest: ShardedManifest) -> None:
         path = commit.manifest_path(name)
-        shards = {s.name: s.size_bytes for s in manifest.shards}
+        expected = manifest.expected_files()
         files = self.backend.list_files(name)
-        short = [shard for shard, size in shards.items() if files.get(shard) != size]
+        short = [file for file, size in expected.items() if files.get(file) != size]
         if short:  # checked before the create: a created manifest is final
-            raise StorageError(self.backend.uri(name), f"shards {short} missing or short before the commit: "
+            raise StorageError(self.backend.uri(name), f"files {short} missing or short before the commit: "
                                "not committed")
-        if not self.backend.create_exclusive(path, encode_manifest(manifest)):
+        if not self.backend.create_exclusive(path, encode_global(manifest)):
             raise StorageError(self.backend.uri(path), "a manifest is there already: two writers share a generation?")
         generation = self._generation or 0
-        if commit.settle_created(self.backend, name, shards, generation):
+        if commit.settle_created(self.backend, name, expected, generation):
             raise FencedWriterError(self.uri, generation, fencing.newest_marker(self.backend))
 
-    def _write_shard(self, name: str, shard: str, indices: list[int], flat: Any,
-                     options: EncodeOptions, base: _DeltaBase | None, known_crcs: list[int | None] | None) -> tuple:
-        chunks: list[Any] = []
-        entries = []
-        offset = 0
-        for index in indices:
-            key = flat.key_paths[index]
-            leaf = flat.leaves[index]
-            encoded = encode_leaf(leaf, options, base.leaves.get(key) if base else None,
-                                  raw_crc=known_crcs[index] if known_crcs else None)
-            length = memoryview(encoded.data).nbytes
-            start = leaf_start(offset, length, ALIGN_BYTES)
-            if start > offset:
-                chunks.append(_ZEROS[:start - offset])
-            entries.append((index, TensorEntry(
-                key=key, spec=leaf_spec(leaf), codec=encoded.codec, shard=shard, offset=start,
-                length=length, stored_crc32=encoded.stored_crc32, raw_crc32=encoded.raw_crc32,
-                delta=encoded.delta,
-            )))
-            chunks.append(encoded.data)
-            offset = start + length
-        if offset % ALIGN_BYTES:
-            chunks.append(_ZEROS[:-offset % ALIGN_BYTES])
-            offset += -offset % ALIGN_BYTES
-        self.backend.write(f"{name}/{shard}", chunks)
-        return entries, ShardEntry(name=shard, size_bytes=offset)
-
     def _discard(self, name: str) -> None:
+        """Remove what a failed save wrote, under an abandon record: a save that failed after
+        its commit (an answer lost on the way back) keeps its checkpoint. Where the record
+        cannot be written (a full disk) and no manifest is there, the directory is this
+        writer's alone (its name is new, and only this writer commits it): it goes as it is."""
         try:
-            self.backend.delete_dir(name)
+            try:
+                commit.remove_uncommitted(self.backend, name, self._generation or 0)
+            except StorageError:
+                if MANIFEST_NAME in self.backend.list_files(name):
+                    raise
+                self.backend.delete_dir(name)
         except Exception as err:  # the next save retries; the failure that got us here matters more
             logger.warning("could not remove partial checkpoint %s: %s", self.backend.uri(name), err)
 
@@ -474,13 +473,13 @@ class CheckpointStore:
 
     def _write_trimmed_copy(self, trim: HistoryTrim, entry: StoredEntry, trimmed: builtins.list[StoredEntry]) -> None:
         assert entry.manifest is not None
-        manifest, leaves = self._read_leaves(self._ref(entry.name, entry.manifest), build=True)
-        state = unflatten_state(manifest.state, [trim.trim_leaf(leaf) for leaf in leaves])
+        loaded = self._read_leaves(self._ref(entry.name, entry.manifest))
+        state = unflatten_state(loaded.skeleton, [trim.trim_leaf(leaf) for leaf in loaded.leaves])
         base = self._trimmed_delta_base(trim, trimmed)
         options = EncodeOptions(codec="rcfz", level=self.config.codec_level, threads=self.config.codec_threads)
         name = checkpoint_dir_name(entry.step, self._generation or 0, uuid.uuid4().hex[:8])
         try:
-            self._write_checkpoint(name, entry.step, flatten_state(state), True, dict(manifest.meta), options,
+            self._write_checkpoint(name, entry.step, flatten_state(state), True, dict(entry.manifest.meta), options,
                                    base, history_trim=trim.describe(entry.name))
         except BaseException:
             self._discard(name)
@@ -489,20 +488,22 @@ class CheckpointStore:
 
     def _trimmed_delta_base(self, trim: HistoryTrim, trimmed: builtins.list[StoredEntry]) -> _DeltaBase | None:
         """The newest full trimmed copy with room for another delta, with its leaves by key."""
-        fulls = [e for e in trimmed if e.manifest is not None and e.manifest.delta_base is None]
+        fulls = [e for e in trimmed if e.manifest is not None and not e.manifest.delta_bases]
         if not fulls or trim.full_every == 1:
             return None
         newest = fulls[-1]
-        deltas = sum(1 for e in trimmed if e.manifest is not None and e.manifest.delta_base == newest.name)
+        deltas = sum(1 for e in trimmed if e.manifest is not None and newest.name in e.manifest.delta_bases)
         if deltas >= trim.full_every - 1:
             return None
         assert newest.manifest is not None
         try:
-            manifest, leaves = self._read_leaves(self._ref(newest.name, newest.manifest), build=True)
+            loaded = self._read_leaves(self._ref(newest.name, newest.manifest))
         except CheckFreqError as err:
             logger.warning("%s: trimmed copy %s unusable as a delta base: %s", self.uri, newest.name, err)
             return None
-        return _DeltaBase(name=newest.name, leaves={t.key: leaf for t, leaf in zip(manifest.tensors, leaves)})
+        if isinstance(newest.manifest, Manifest):
+            return None  # a format 2 copy: the next copy is full (a delta's base is format 4)
+        return _DeltaBase(name=newest.name, chunks=_whole_chunks(loaded.keys, loaded.leaves))
 
     def _protected(self) -> set[int] | None:
         return protected_steps_now(self.protected_steps, self.uri)
@@ -555,7 +556,7 @@ class CheckpointStore:
         try:
             if entry.files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not even read
                 raise ManifestError(f"{entry.files[MANIFEST_NAME]} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-            entry.manifest = decode_manifest(commit.read_listed_manifest(self.backend, entry.name))
+            entry.manifest = decode_any_manifest(commit.read_listed_manifest(self.backend, entry.name))
             if entry.manifest.step != entry.step:
                 raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
             if entry.manifest.writer_generation != entry.generation:
@@ -583,7 +584,7 @@ class CheckpointStore:
         for entry in self._committed(settled=True):
             if entry.manifest is None:
                 logger.warning("skipping checkpoint: %s", entry.fault)
-            else:
+            elif _whole_state(entry.manifest):  # a sharded run's steps are restored rank by rank
                 refs.append(self._ref(entry.name, entry.manifest))
         return refs
 
@@ -604,7 +605,7 @@ class CheckpointStore:
         for attempt in range(commit.RESCANS):
             for ref in self._newest_first():
                 try:
-                    self._read(ref, build=True)  # remembers it as verified
+                    self._read(ref)  # remembers it as verified
                     return ref
                 except CorruptCheckpointError as err:
                     if attempt + 1 < commit.RESCANS and not self._still_committed(ref):
@@ -625,12 +626,12 @@ class CheckpointStore:
         """Exact checkpoints, newest first: what a resume may read (never a trimmed copy)."""
         return reversed([ref for ref in self.list() if not ref.trimmed])
 
-    def _ref(self, name: str, manifest: Manifest) -> CheckpointRef:
+    def _ref(self, name: str, manifest: Manifest | ShardedManifest) -> CheckpointRef:
         return CheckpointRef(
             step=manifest.step,
             uri=self.backend.uri(name),
             epoch_boundary=manifest.epoch_boundary,
-            meta=manifest.meta,
+            meta=dict(manifest.meta),
             name=name,
             created_unix_ns=manifest.created_unix_ns,
             size_bytes=manifest.size_bytes,
@@ -665,11 +666,11 @@ class CheckpointStore:
         checkpoint asked for by ref or step is not substituted when it is corrupt.
         """
         if ref_or_step is not None:
-            return self._read(self._find(ref_or_step), build=True)
+            return self._read(self._find(ref_or_step))
         faults = []
         for ref in self._newest_first():
             try:
-                return self._read(ref, build=True)
+                return self._read(ref)
             except CorruptCheckpointError as err:
                 logger.warning("checkpoint %s is corrupt, falling back: %s", ref.uri, err)
                 faults.append(str(err))
@@ -682,105 +683,78 @@ class CheckpointStore:
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
         """Raise CorruptCheckpointError naming the file unless every byte checks out and
         the checkpoint loads (what ``load()`` accepts, and every stored checksum too)."""
-        self._read(self._find(ref_or_step), build=True, check_stored=True)
+        self._read(self._find(ref_or_step), check_stored=True)
 
-    def _read(self, ref: CheckpointRef, *, build: bool, check_stored: bool = False) -> Any:
-        manifest, leaves = self._read_leaves(ref, build=build, check_stored=check_stored)
-        if not build:
-            self._verified.add(ref.name)
-            return None
+    def _read(self, ref: CheckpointRef, *, check_stored: bool = False) -> Any:
+        loaded = self._read_leaves(ref, check_stored=check_stored)
         try:
-            state = unflatten_state(manifest.state, leaves)
+            state = unflatten_state(loaded.skeleton, loaded.leaves)
         except SkeletonError as err:
             raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
         self._verified.add(ref.name)
         return state
 
-    def _read_leaves(self, ref: CheckpointRef, *, build: bool,
-                     check_stored: bool = False) -> tuple[Manifest, builtins.list]:
+    def _read_leaves(self, ref: CheckpointRef, *, check_stored: bool = False) -> _Loaded:
         manifest = self._load_manifest(ref)
-        bases = self._read_base(ref, manifest, build=build)
-        files = self.backend.list_files(ref.name)
-        for shard in manifest.shards:
-            self._check_shard_file(ref, shard, files)
-        by_shard: dict[str, list[int]] = {}
-        for index, tensor in enumerate(manifest.tensors):
-            by_shard.setdefault(tensor.shard, []).append(index)
-        leaves: list[Any] = [None] * len(manifest.tensors)
-        map_on_threads(lambda item: self._read_shard(ref, manifest, item[0], item[1], leaves, build, bases,
-                                                     check_stored),
-                       list(by_shard.items()), self.config.io_threads, "rcf-read")
-        return manifest, leaves
+        if isinstance(manifest, Manifest):
+            leaves = legacy.read_leaves(self.backend, ref.name, manifest,
+                                        (self.config.io_threads, self.config.codec_threads), build=True,
+                                        check_stored=check_stored)
+            return _Loaded(manifest.state, [t.key for t in manifest.tensors], leaves)
+        if not _whole_state(manifest):
+            raise CorruptCheckpointError(self._manifest_uri(ref), "a sharded checkpoint (one part per rank): "
+                                         "restore it through the engine or export it (ray-checkfreq export)")
+        skeleton, keys, chunks = self._replicated_layout(ref, manifest)
+        reader = BoxReader(self.backend, ref.name, manifest, codec_threads=self.config.codec_threads,
+                           base_manifest=self._base_manifest, verify=check_stored)
+        return _Loaded(skeleton, keys, reader.read_whole_chunks(chunks, self.config.io_threads))
 
-    def _read_base(self, ref: CheckpointRef, manifest: Manifest, *, build: bool) -> dict[str, Any]:
-        """Leaves of the full checkpoint the deltas refer to, by key ({} when none)."""
-        if manifest.delta_base is None:
-            return {}
-        location = self._manifest_uri(ref)
-        base_ref = CheckpointRef(step=0, uri=self.backend.uri(manifest.delta_base), epoch_boundary=False,
-                                 name=manifest.delta_base)
+    def _replicated_layout(self, ref: CheckpointRef,
+                           manifest: ShardedManifest) -> tuple[Any, builtins.list[str], builtins.list[ChunkRecord]]:
+        """The state skeleton, leaf keys and whole chunks of a replicated checkpoint, its one
+        part manifest checked against what the global manifest records."""
+        (entry,) = manifest.parts
+        path = f"{ref.name}/{entry.name}"
         try:
-            base_manifest, base_leaves = self._read_leaves_of_full(base_ref, build=build)
-        except CorruptCheckpointError as err:
-            raise CorruptCheckpointError(location, f"its delta base is unusable: {err}") from None
-        return {t.key: leaf for t, leaf in zip(base_manifest.tensors, base_leaves)}
+            data = self.backend.read_small(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self.backend.uri(path), "part manifest is missing") from None
+        if len(data) != entry.size_bytes or crc32(data) != entry.crc32:
+            raise CorruptCheckpointError(self.backend.uri(path), "part manifest differs from what the global "
+                                         "manifest records")
+        try:
+            skeleton, keys = replicated_skeleton(decode_part(data, name=entry.name), manifest)
+        except ManifestError as err:
+            raise CorruptCheckpointError(self.backend.uri(path), str(err)) from None
+        return skeleton, keys, [manifest.tensor(key).chunks[0] for key in keys]  # type: ignore[union-attr]
 
-    def _read_leaves_of_full(self, ref: CheckpointRef, *, build: bool) -> tuple[Manifest, builtins.list]:
-        manifest = self._load_manifest(ref)
-        if manifest.delta_base is not None:
-            raise CorruptCheckpointError(self._manifest_uri(ref), "a delta base is itself a delta")
-        return self._read_leaves(ref, build=build)
+    def _base_manifest(self, name: str) -> ShardedManifest:
+        """A delta base's global manifest (format 4: the only one a delta refers to)."""
+        manifest = self._load_manifest(self._bare_ref(name))
+        if isinstance(manifest, Manifest):
+            raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(name)), "a format 1 checkpoint "
+                                         "named as the base of a format 4 delta")
+        return manifest
+
+    def _bare_ref(self, name: str) -> CheckpointRef:
+        return CheckpointRef(step=0, uri=self.backend.uri(name), epoch_boundary=False, name=name)
 
     def _manifest_uri(self, ref: CheckpointRef) -> str:
-        return self.backend.uri(f"{ref.name}/{MANIFEST_NAME}")
+        return self.backend.uri(commit.manifest_path(ref.name))
 
-    def _load_manifest(self, ref: CheckpointRef) -> Manifest:
+    def _load_manifest(self, ref: CheckpointRef) -> Manifest | ShardedManifest:
         location = self._manifest_uri(ref)
         try:
-            return decode_manifest(self.backend.read_small(f"{ref.name}/{MANIFEST_NAME}"))
+            manifest = decode_any_manifest(self.backend.read_small(commit.manifest_path(ref.name)))
         except FileNotFoundError:
             raise CorruptCheckpointError(location, "manifest is missing") from None
         except ManifestError as err:
             raise CorruptCheckpointError(location, str(err)) from None
-
-    def _check_shard_file(self, ref: CheckpointRef, shard: ShardEntry, files: dict[str, int]) -> None:
-        location = self.backend.uri(f"{ref.name}/{shard.name}")
-        if shard.name not in files:
-            raise CorruptCheckpointError(location, "shard file is missing")
-        if files[shard.name] != shard.size_bytes:
-            raise CorruptCheckpointError(
-                location, f"shard is {files[shard.name]} bytes, manifest says {shard.size_bytes} (truncated?)"
-            )
-
-    def _read_shard(self, ref: CheckpointRef, manifest: Manifest, shard: str, indices: builtins.list[int],
-                    leaves: builtins.list, build: bool, bases: dict[str, Any], check_stored: bool) -> None:
-        location = self.backend.uri(f"{ref.name}/{shard}")
-        try:
-            buffer = self.backend.read(f"{ref.name}/{shard}")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(location, "shard file is missing") from None
-        view = memoryview(buffer)
-        for index in indices:
-            entry = manifest.tensors[index]
-            if entry.offset + entry.length > len(buffer):
-                raise CorruptCheckpointError(location, f"tensor {entry.key!r} lies past the end of the shard")
-            # Decoding a codec blob checks the blob's own checksums and then raw_crc32, so the
-            # stored-bytes pass is needed only for raw tensors and for verify().
-            if (entry.codec == "raw" or not build or check_stored) and (
-                crc32(view[entry.offset:entry.offset + entry.length]) != entry.stored_crc32
-            ):
-                raise CorruptCheckpointError(location, f"checksum mismatch in tensor {entry.key!r}")
-            if entry.delta and entry.key not in bases:
-                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: no such key in its delta base")
-            if not build:
-                continue
-            try:
-                leaves[index] = decode_leaf(
-                    entry.spec, entry.codec, buffer, entry.offset, entry.length, entry.raw_crc32,
-                    base=bases.get(entry.key) if entry.delta else None, threads=self.config.codec_threads,
-                )
-            except LeafDecodeError as err:
-                raise CorruptCheckpointError(location, f"tensor {entry.key!r}: {err}") from None
+        parsed = parse_checkpoint_dir(ref.name)
+        if isinstance(manifest, ShardedManifest) and parsed not in (None, (manifest.step, manifest.writer_generation)):
+            raise CorruptCheckpointError(location, f"step {manifest.step} / generation {manifest.writer_generation} "
+                                         f"do not match directory {ref.name}")
+        return manifest
 
     def write_metadata(self, name: str, data: dict) -> None:
         """Store a small JSON document (a cached profile, say) beside the checkpoints."""
@@ -829,18 +803,10 @@ def _checked_meta(meta: dict | None) -> dict:
         raise UnsupportedStateError("meta", str(err)) from None
 
 
-def _plan_shards(leaves: list, shard_size_bytes: int) -> dict[str, list[int]]:
-    """Greedy packing of leaves, in order, into shards of about ``shard_size_bytes``."""
-    plan: dict[str, list[int]] = {}
-    current: list[int] = []
-    size = 0
-    for index, leaf in enumerate(leaves):
-        nbytes = leaf_spec(leaf).nbytes
-        if current and size + nbytes > shard_size_bytes:
-            plan[f"shard-{len(plan):05d}.bin"] = current
-            current, size = [], 0
-        current.append(index)
-        size = leaf_start(size, nbytes, ALIGN_BYTES) + nbytes
-    if current or not plan:
-        plan[f"shard-{len(plan):05d}.bin"] = current
-    return plan
+def _whole_chunks(keys: Iterable[str], leaves: Iterable[Any]) -> dict[tuple[str, Box, int], Any]:
+    return {(key, whole(tuple(leaf.shape)), 0): leaf for key, leaf in zip(keys, leaves)}
+
+
+def _whole_state(manifest: Manifest | ShardedManifest) -> bool:
+    """Whether ``load()`` rebuilds the checkpoint's state: formats 1-2, or a replicated one."""
+    return isinstance(manifest, Manifest) or manifest.attributes.placement == "replicated"
