@@ -554,3 +554,20 @@ def test_the_stored_json_limits_are_exact(text, accepted):
             parse_stored_json(text.encode(), max_bytes=4096)
     with pytest.raises(StoredJsonError, match="more than the 8 allowed"):
         parse_stored_json(b"[" + b" " * 8 + b"]", max_bytes=8)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    # leaf 0 named twice (and another leaf never): the state would alias one tensor
+    (lambda b: set_path(b, SKELETON + ("dict", "model", "dict", "b", "tensor"), 0), "exactly once"),
+    (lambda b: b["skeletons"]["0"]["keys"].reverse(), "referenced as|not one whole tensor"),
+    (lambda b: b["skeletons"]["0"]["keys"].append("model/x"), "skeleton names 5 leaves"),
+    (lambda b: b["skeletons"]["0"].update(extra=1), "is {state, keys}"),
+])
+def test_a_replicated_skeleton_that_does_not_name_each_array_once_is_refused_by_name(template, edit, reason):
+    with copy_of(template) as root:
+        resign_part(newest_dir(root), edit)
+        store = CheckpointStore(str(root))
+        with pytest.raises(CorruptCheckpointError, match=reason) as info:
+            store.load(2)
+        assert "part-r00000.json" in str(info.value)
+        assert store.latest().step == 1 and same_state(store.load(), state_of(1))
