@@ -123,7 +123,7 @@ def trace_phases(store: ShardedStore, phases: Any, rank: int) -> None:
         return run
 
     store.save_part = traced(store.save_part, SAVE)  # type: ignore[method-assign]
-    store._write_file = traced(store._write_file, DATA)  # type: ignore[method-assign]
+    store._write_data = traced(store._write_data, DATA)  # type: ignore[method-assign]
     store.backend.create_exclusive = traced(store.backend.create_exclusive, None)  # type: ignore[method-assign]
     store.try_commit = traced(store.try_commit, COMMIT)  # type: ignore[method-assign]
     store._housekeeping = traced(store._housekeeping, HOUSEKEEPING)  # type: ignore[method-assign]

@@ -17,7 +17,10 @@ from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.store import CheckpointStore
 
 SUITE_SCHEDULES = 250  # per store: about 10 s together on the development machine
-MUTANT_BUDGET = 250  # a broken fix must show within this many schedules
+MUTANT_BUDGET = 250  # a broken fix must show within this many schedules ...
+# ... except the old protocol under a one-part save (format 4): its window is a part manifest
+# and a data file, not one shard, and it first shows at seed 450.
+SLOW_MUTANT_BUDGET = 600
 SHARDED = SimConfig(workload=Workload(store="sharded"))
 REPLICATED = SimConfig(workload=Workload(store="replicated"))
 
@@ -83,20 +86,20 @@ def _housekeeping_ignores_protection(monkeypatch):
 
 
 MUTANTS = [
-    ("listing-empties", _listing_returns_nothing_when_a_file_vanishes, SHARDED),
-    ("listing-empties", _listing_returns_nothing_when_a_file_vanishes, REPLICATED),
-    ("undo-after-publish", _undo_after_publish, SHARDED),
-    ("undo-after-publish", _undo_after_publish, REPLICATED),
-    ("ignores-protection", _housekeeping_ignores_protection, SHARDED),
-    ("ignores-protection", _housekeeping_ignores_protection, REPLICATED),
+    ("listing-empties", _listing_returns_nothing_when_a_file_vanishes, SHARDED, MUTANT_BUDGET),
+    ("listing-empties", _listing_returns_nothing_when_a_file_vanishes, REPLICATED, MUTANT_BUDGET),
+    ("undo-after-publish", _undo_after_publish, SHARDED, MUTANT_BUDGET),
+    ("undo-after-publish", _undo_after_publish, REPLICATED, SLOW_MUTANT_BUDGET),
+    ("ignores-protection", _housekeeping_ignores_protection, SHARDED, MUTANT_BUDGET),
+    ("ignores-protection", _housekeeping_ignores_protection, REPLICATED, MUTANT_BUDGET),
 ]
 
 
-@pytest.mark.parametrize(("name", "mutate", "config"), MUTANTS,
-                         ids=[f"{name}-{config.workload.store}" for name, _, config in MUTANTS])
-def test_the_simulation_finds_each_broken_fix(name, mutate, config, monkeypatch):
+@pytest.mark.parametrize(("name", "mutate", "config", "budget"), MUTANTS,
+                         ids=[f"{name}-{config.workload.store}" for name, _, config, _ in MUTANTS])
+def test_the_simulation_finds_each_broken_fix(name, mutate, config, budget, monkeypatch):
     mutate(monkeypatch)
-    summary = run_many(0, MUTANT_BUDGET, config, stop_at_first=True)
+    summary = run_many(0, budget, config, stop_at_first=True)
     assert summary.failures, f"{name}: no violation in {summary.schedules} schedules"
 
 
