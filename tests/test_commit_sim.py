@@ -11,12 +11,14 @@ import pytest
 from ray_checkfreq.chaos.commit_sim import SimConfig, Workload, report, run_many, run_schedule, shrink
 from ray_checkfreq.chaos.commit_sim.memory_backend import SimBackend
 from ray_checkfreq.chaos.commit_sim.scheduler import NO_FAULTS, Scheduler
-from ray_checkfreq.storage import commit
+from ray_checkfreq.storage import commit, part_files
 from ray_checkfreq.storage.backends import listing
+from ray_checkfreq.storage.encoding import encode_leaf
 from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.store import CheckpointStore
 
 SUITE_SCHEDULES = 250  # per store: about 10 s together on the development machine
+DELTA_SCHEDULES = 100
 MUTANT_BUDGET = 250  # a broken fix must show within this many schedules ...
 # ... except the old protocol under a one-part save (format 4): its window is a part manifest
 # and a data file, not one shard, and it first shows at seed 450.
@@ -30,6 +32,23 @@ def test_every_schedule_keeps_every_invariant(config):
     summary = run_many(0, SUITE_SCHEDULES, config, stop_at_first=True)
     assert not summary.failures, report(summary.failures[0], config)
     assert summary.schedules == SUITE_SCHEDULES
+
+
+@pytest.mark.parametrize("store", ["sharded", "replicated"])
+def test_schedules_with_deltas_keep_every_invariant(store, monkeypatch):
+    """rcfz saves with XOR deltas (full_every=3): a delta's base is kept while it is needed,
+    a delta whose base went is never committed, and every loaded value is still exact."""
+    config = SimConfig(workload=Workload(store=store, full_every=3))
+    encoded = []
+
+    def counted(*args, **kwargs):
+        leaf = encode_leaf(*args, **kwargs)
+        encoded.append(leaf.delta)
+        return leaf
+    monkeypatch.setattr(part_files, "encode_leaf", counted)
+    summary = run_many(0, DELTA_SCHEDULES, config, stop_at_first=True)
+    assert not summary.failures, report(summary.failures[0], config)
+    assert sum(encoded) > len(encoded) // 4, "the schedules wrote hardly any delta"
 
 
 def test_one_seed_is_one_schedule_exactly():

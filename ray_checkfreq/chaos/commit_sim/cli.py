@@ -36,6 +36,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--steps", type=int, default=Workload.steps, help="steps each generation saves")
     add("--max-world", type=int, default=Workload.max_world)
     add("--readers", type=int, default=Workload.readers)
+    add("--full-every", type=int, default=Workload.full_every,
+        help="> 1: rcfz saves, XOR deltas between full ones (default 1: raw, no deltas)")
     add("--kill", type=float, default=Faults.kill, help="chance per yield point that the actor is killed")
     add("--pause", type=float, default=Faults.pause, help="chance per yield point that the actor pauses")
     add("--processes", type=int, default=os.cpu_count() or 1, help="worker processes (default: every core)")
@@ -46,7 +48,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     workload = Workload(store=args.store, generations=args.generations, steps=args.steps,
-                        max_world=args.max_world, readers=args.readers)
+                        max_world=args.max_world, readers=args.readers, full_every=args.full_every)
     return SimConfig(workload=workload, faults=Faults(kill=args.kill, pause=args.pause))
 
 

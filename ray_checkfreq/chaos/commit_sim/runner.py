@@ -27,6 +27,7 @@ from ray_checkfreq.storage.backends import listing
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.manifest import MANIFEST_NAME
 from ray_checkfreq.storage.names import parse_checkpoint_dir
+from ray_checkfreq.storage.sharded_manifest import decode_any_manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,8 +177,13 @@ def _check_clean_leftovers(ctx: load.Context) -> None:
             history.violate(f"(d) after a clean generation {name} is left, holding {sorted(files)[:6]}")
         else:
             kept.append(name)
-    if len(kept) > ctx.workload.keep_last:
-        history.violate(f"(d) {len(kept)} unprotected checkpoints kept, more than keep_last: {kept}")
+    # A delta is only as good as its base: a base that a kept checkpoint names is kept too.
+    bases = {base for name in intact
+             for base in decode_any_manifest(backend.dirs[name][MANIFEST_NAME].data).delta_bases}
+    counted = [name for name in kept if name not in bases]
+    if len(counted) > ctx.workload.keep_last:
+        history.violate(f"(d) {len(counted)} unprotected checkpoints kept, more than keep_last: {kept} "
+                        f"(delta bases among them: {sorted(bases & set(kept))})")
     dead = {a.name for a in ctx.scheduler.actors if a.killed}
     for name, file in backend.root_files.items():
         if listing.is_staged(name) and file.creator not in dead:

@@ -43,11 +43,12 @@ class Workload:
     strays: int = 40  # foreign files made and removed: enough that listings lose entries often
     commit_polls: int = 3
     keep_last: int = 2
+    full_every: int = 1  # > 1: rcfz XOR deltas between full saves (their bases kept by retention)
 
     def __post_init__(self) -> None:
         if self.store not in ("sharded", "replicated"):
             raise ValueError(f"store={self.store!r}: must be 'sharded' or 'replicated'")
-        for name in ("generations", "steps", "max_world", "keep_last"):
+        for name in ("generations", "steps", "max_world", "keep_last", "full_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
         for name in ("readers", "reader_ops", "strays", "commit_polls"):
@@ -80,18 +81,22 @@ class Context:
 
     def sharded_store(self, generation: int | None = None) -> ShardedStore:
         store = ShardedStore(_UNUSED_URI, writer_generation=generation, protected_steps=self._protected,
-                             keep_last=self.workload.keep_last, io_threads=1)
+                             keep_last=self.workload.keep_last, io_threads=1, codec=self._codec(),
+                             full_every=self.workload.full_every)
         store.backend, store.uri = self.backend, self.backend.root_uri
         self._trace_housekeeping(store, "_housekeeping")
         return store
 
     def replicated_store(self) -> CheckpointStore:
         store = CheckpointStore(_UNUSED_URI, protected_steps=self._protected, keep_last=self.workload.keep_last,
-                                io_threads=1, codec="raw", full_every=1)
+                                io_threads=1, codec=self._codec(), full_every=self.workload.full_every)
         store.backend, store.uri = self.backend, self.backend.root_uri
         self._trace_housekeeping(store, "_delete_leftovers")
         self._trace_housekeeping(store, "_apply_retention")
         return store
+
+    def _codec(self) -> str:
+        return "rcfz" if self.workload.full_every > 1 else "raw"
 
     def _trace_housekeeping(self, store: Any, method: str) -> None:
         """Note when each actor's housekeeping begins (what it may rely on of the pointers)."""
