@@ -571,3 +571,15 @@ def test_a_replicated_skeleton_that_does_not_name_each_array_once_is_refused_by_
             store.load(2)
         assert "part-r00000.json" in str(info.value)
         assert store.latest().step == 1 and same_state(store.load(), state_of(1))
+
+
+def test_a_replicated_manifest_claiming_two_parts_is_refused_by_name(template):
+    with copy_of(template) as root:
+        def two_parts(body):
+            body["world_size"] = 2
+            body["parts"].append(dict(body["parts"][0], name="part-r00001.json", ranks=[1], files=[]))
+        resign(newest_dir(root) / "manifest.json", two_parts)
+        store = CheckpointStore(str(root))
+        with pytest.raises(CorruptCheckpointError, match="a replicated checkpoint of 2 parts"):
+            store.load(2)
+        assert store.latest().step == 1 and same_state(store.load(), state_of(1))

@@ -426,6 +426,9 @@ def _checked_body(data: bytes, kind: str) -> dict:
 
 
 def _check_global(manifest: ShardedManifest) -> None:
+    if manifest.attributes.placement == "replicated" and (manifest.world_size, len(manifest.parts)) != (1, 1):
+        raise ManifestError(f"a replicated checkpoint of {len(manifest.parts)} parts for a world of "
+                            f"{manifest.world_size} (it has one part, of rank 0)")
     covered = sorted(r for p in manifest.parts for r in p.ranks)
     if covered != list(range(manifest.world_size)):
         missing = sorted(set(range(manifest.world_size)) - set(covered))
