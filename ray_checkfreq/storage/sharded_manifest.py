@@ -569,19 +569,20 @@ def _check_part_chunks(chunks: tuple[ChunkRecord, ...]) -> None:
 def _delta_base(body: dict, chunks: Sequence[ChunkRecord], where: str) -> str | None:
     """A part's ``delta_base``: a checkpoint directory name exactly when a chunk is a delta."""
     base = _optional_dir_name(body, where)
-    if (base is not None) != any(c.delta for c in chunks):
-        raise ManifestError(f"{where}: delta_base {base!r:.80} " + (
-            "without a delta chunk" if base is not None else "missing for its delta chunks"))
+    _check_base_matches(base, any(c.delta for c in chunks), where)
     return base
 
 
 def _check_part_bases(parts: Sequence[PartEntry], tensors: Sequence[TensorIndex]) -> None:
     deltas = {c.file for t in tensors for c in t.chunks if c.delta}
     for part in parts:
-        has_delta = any(f.name in deltas for f in part.files)
-        if (part.delta_base is not None) != has_delta:
-            raise ManifestError(f"part {part.name}: delta_base {part.delta_base!r:.80} " + (
-                "without a delta chunk" if part.delta_base is not None else "missing for its delta chunks"))
+        _check_base_matches(part.delta_base, any(f.name in deltas for f in part.files), f"part {part.name}")
+
+
+def _check_base_matches(base: str | None, has_delta: bool, where: str) -> None:
+    if (base is not None) != has_delta:
+        raise ManifestError(f"{where}: delta_base {base!r:.80} " + (
+            "without a delta chunk" if base is not None else "missing for its delta chunks"))
 
 
 def _attributes(body: dict) -> CheckpointAttributes:

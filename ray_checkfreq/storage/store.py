@@ -695,7 +695,7 @@ class CheckpointStore:
         return state
 
     def _read_leaves(self, ref: CheckpointRef, *, check_stored: bool = False) -> _Loaded:
-        manifest = self._load_manifest(ref)
+        manifest = self._load_manifest(ref.name)
         if isinstance(manifest, Manifest):
             leaves = legacy.read_leaves(self.backend, ref.name, manifest,
                                         (self.config.io_threads, self.config.codec_threads), build=True,
@@ -730,30 +730,27 @@ class CheckpointStore:
 
     def _base_manifest(self, name: str) -> ShardedManifest:
         """A delta base's global manifest (format 4: the only one a delta refers to)."""
-        manifest = self._load_manifest(self._bare_ref(name))
+        manifest = self._load_manifest(name)
         if isinstance(manifest, Manifest):
             raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(name)), "a format 1 checkpoint "
                                          "named as the base of a format 4 delta")
         return manifest
 
-    def _bare_ref(self, name: str) -> CheckpointRef:
-        return CheckpointRef(step=0, uri=self.backend.uri(name), epoch_boundary=False, name=name)
-
     def _manifest_uri(self, ref: CheckpointRef) -> str:
         return self.backend.uri(commit.manifest_path(ref.name))
 
-    def _load_manifest(self, ref: CheckpointRef) -> Manifest | ShardedManifest:
-        location = self._manifest_uri(ref)
+    def _load_manifest(self, name: str) -> Manifest | ShardedManifest:
+        location = self.backend.uri(commit.manifest_path(name))
         try:
-            manifest = decode_any_manifest(self.backend.read_small(commit.manifest_path(ref.name)))
+            manifest = decode_any_manifest(self.backend.read_small(commit.manifest_path(name)))
         except FileNotFoundError:
             raise CorruptCheckpointError(location, "manifest is missing") from None
         except ManifestError as err:
             raise CorruptCheckpointError(location, str(err)) from None
-        parsed = parse_checkpoint_dir(ref.name)
+        parsed = parse_checkpoint_dir(name)
         if isinstance(manifest, ShardedManifest) and parsed not in (None, (manifest.step, manifest.writer_generation)):
             raise CorruptCheckpointError(location, f"step {manifest.step} / generation {manifest.writer_generation} "
-                                         f"do not match directory {ref.name}")
+                                         f"do not match directory {name}")
         return manifest
 
     def write_metadata(self, name: str, data: dict) -> None:
