@@ -138,16 +138,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints in {store.uri}")
         return 0
     # Rows come oldest first: by writer generation, then step (the newest writer's last).
-    print(f"{'writer':>6}  {'step':>10}  {'epoch':>5}  {'size':>10}  {'committed (UTC)':<19}  directory")
+    print(f"{'writer':>6}  {'step':>10}  {'epoch':>5}  {'ranks':>5}  {'size':>10}  {'committed (UTC)':<19}  "
+          "directory")
     for ref, name, fault in rows:
         if ref is not None:
             when = datetime.fromtimestamp(ref.created_unix_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             flag = "yes" if ref.epoch_boundary else "-"
-            print(f"{ref.writer_generation:>6}  {ref.step:>10}  {flag:>5}  {_human(ref.size_bytes):>10}  "
+            ranks = "-" if ref.placement == "replicated" else str(ref.world_size)
+            print(f"{ref.writer_generation:>6}  {ref.step:>10}  {flag:>5}  {ranks:>5}  {_human(ref.size_bytes):>10}  "
                   f"{when:<19}  {name}")
         else:
             status = f"CORRUPT MANIFEST: {fault.reason}" if fault else "uncommitted (interrupted save)"
-            print(f"{'':>6}  {'?':>10}  {'':>5}  {'':>10}  {'':<19}  {name}  [{status}]")
+            print(f"{'':>6}  {'?':>10}  {'':>5}  {'':>5}  {'':>10}  {'':<19}  {name}  [{status}]")
     return 0
 
 
@@ -179,10 +181,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ray_checkfreq.storage.sharded_export import export_store
-    from ray_checkfreq.storage.sharded_store import ShardedStore
 
     store = _existing_store(args.uri)
-    written = export_store(store, ShardedStore(args.uri), args.step, args.target, fmt=args.export_format,
+    written = export_store(store, args.step, args.target, fmt=args.export_format,
                            precision_factor=args.precision_factor, precision_bits=args.precision_bits)
     print(f"wrote {written}")
     return 0

@@ -1,5 +1,5 @@
 """The loop ``test_chaos_sharded_kills.py`` runs in a process of its own: three forked writers
-save and commit sharded steps (``ShardedStore``), get SIGKILLed (or one frozen with SIGSTOP,
+save and commit sharded steps (``CheckpointStore``), get SIGKILLed (or one frozen with SIGSTOP,
 a zombie) at seeded random moments, and what survived is checked; repeat.
 
 Run as ``python chaos_sharded_kill_child.py ROOT ROUNDS SEED``; prints a JSON summary as its
@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.errors import FencedWriterError, StorageError
 from ray_checkfreq.storage import commit
@@ -40,7 +41,7 @@ from ray_checkfreq.storage.sharded_manifest import (
     ManifestError,
     decode_part,
 )
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedRef, ShardedStore
+from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore, ChunkSource
 
 WORLD = 3
 KEEP_LAST = 2
@@ -106,7 +107,7 @@ def rank_chunks(step: int, rank: int) -> list[ChunkSource]:
 
 
 # ------------------------------------------------------------------ a writer process
-def trace_phases(store: ShardedStore, phases: Any, rank: int) -> None:
+def trace_phases(store: CheckpointStore, phases: Any, rank: int) -> None:
     """Record in ``phases[rank]`` what the writer is doing, for the parent to read at a kill."""
 
     def traced(method: Any, phase: int | None) -> Any:
@@ -133,8 +134,8 @@ def write_steps(root: str, generation: int, rank: int, start: int, steps: int | 
                 conn: Connection) -> None:
     """Save and commit steps start+1, start+2, ... (``steps`` of them; None: until killed)."""
     rng = random.Random(seed)
-    store = ShardedStore(root, writer_generation=generation, keep_last=KEEP_LAST, codec="raw",
-                         part_file_bytes=PART_FILE_BYTES, io_threads=1)
+    store = part_store(root, writer_generation=generation, keep_last=KEEP_LAST, codec="raw",
+                         shard_size_bytes=PART_FILE_BYTES, io_threads=1)
     trace_phases(store, phases, rank)
     code = 0
     try:
@@ -219,21 +220,21 @@ def ended_by_itself(writer: Writer, label: str) -> str:
 
 
 # ------------------------------------------------------------------ checks
-def check_ref(reader: ShardedStore, ref: ShardedRef) -> list[str]:
+def check_ref(reader: CheckpointStore, ref: CheckpointRef) -> list[str]:
     """The committed step loads whole, with exactly the values of its step and generation."""
     label = f"step {ref.step} of generation {ref.writer_generation} ({ref.name})"
     problems = []
     try:
-        keys = sorted(t.key for t in reader.manifest(ref).tensors)
+        keys = sorted(t.key for t in reader.reader(ref).manifest.tensors)
         if keys != sorted(t.key for t in ALL_TENSORS):
             problems.append(f"{label}: tensors {keys}")
-        loaded = reader.load_chunks(ref, {t.key: [whole(t.shape)] for t in ALL_TENSORS})
+        loaded = reader.reader(ref).load_boxes({t.key: [whole(t.shape)] for t in ALL_TENSORS})
         for tensor in ALL_TENSORS:
             got, want = loaded[tensor.key][0], tensor.values(ref.step)
             if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
                 steps = sorted({int(v) // tensor.scale for v in np.asarray(got, dtype=np.int64).ravel()})
                 problems.append(f"{label}: {tensor.key} holds the values of steps {steps[:6]}")
-        skeletons = reader.load_skeletons(ref)
+        skeletons = reader.reader(ref).skeletons()
         if skeletons != {r: skeleton(ref.step, ref.writer_generation, r) for r in range(WORLD)}:
             problems.append(f"{label}: skeletons {skeletons!r:.400}")
     except Exception as err:
@@ -241,9 +242,9 @@ def check_ref(reader: ShardedStore, ref: ShardedRef) -> list[str]:
     return problems
 
 
-def check_store(root: str, label: str) -> tuple[list[str], ShardedRef | None]:
+def check_store(root: str, label: str) -> tuple[list[str], CheckpointRef | None]:
     """Every committed step loads whole, and every directory with a global manifest is complete."""
-    reader = ShardedStore(root)
+    reader = part_store(root)
     refs = reader.list()
     problems = [f"{label}: {p}" for ref in refs for p in check_ref(reader, ref)]
     listed = {ref.name for ref in refs}
@@ -291,7 +292,7 @@ def survey(root: str, generation: int) -> dict[str, int]:
 
 def orphans(root: str) -> list[str]:
     """Checkpoint directories that are not committed, and files no manifest lists."""
-    reader = ShardedStore(root)
+    reader = part_store(root)
     kept = {ref.name: ref for ref in reader.list()}
     found = []
     for name in sorted(os.listdir(root)):
@@ -301,7 +302,7 @@ def orphans(root: str) -> list[str]:
         if name not in kept:
             found.append(f"{name}: not a committed checkpoint, holds {sorted(present)[:6]}")
             continue
-        manifest = reader.manifest(kept[name])
+        manifest = reader.reader(kept[name]).manifest
         listed = {GLOBAL_MANIFEST_NAME} | {p.name for p in manifest.parts}
         listed |= {f.name for p in manifest.parts for f in p.files}
         if present != listed:
@@ -351,7 +352,7 @@ def resume_zombie(root: str, zombie: Writer, label: str) -> tuple[dict, list[str
     """SIGCONT a writer frozen a round ago, let it run until it ends; nothing of it may
     become the newest or hide a newer generation's steps."""
     failures = []
-    reader = ShardedStore(root)
+    reader = part_store(root)
     before = reader.list()
     own_before = committed_dirs(root, zombie.generation)
     dirs_before = dirs_of(root, zombie.generation)
@@ -366,7 +367,7 @@ def resume_zombie(root: str, zombie: Writer, label: str) -> tuple[dict, list[str
         zombie.process.join()
     zombie.drain()
     zombie.conn.close()
-    after = ShardedStore(root).list()
+    after = part_store(root).list()
     own_new = sorted(committed_dirs(root, zombie.generation) - own_before)
     left_behind = new_uncommitted_files(root, dirs_before, dirs_of(root, zombie.generation))
     fenced = zombie.said("fenced")
@@ -400,10 +401,10 @@ def resume_zombie(root: str, zombie: Writer, label: str) -> tuple[dict, list[str
 # ------------------------------------------------------------------ the loop
 def begin_generation(root: str) -> tuple[int, int]:
     """A new generation, as a restarted job takes it: acquire, salvage, resume after latest()."""
-    store = ShardedStore(root)
+    store = part_store(root)
     generation = store.acquire_writer()
     store.salvage()
-    latest = store.latest()
+    latest = newest_sharded(store)
     return generation, (latest.step if latest else 0)
 
 
@@ -494,7 +495,7 @@ def kill_loop(root: str, rounds: int, seed: int) -> dict:
     failures += clean_failures
     problems, latest = check_store(root, "end")
     failures += problems
-    steps_kept = [(r.writer_generation, r.step) for r in ShardedStore(root).list()]
+    steps_kept = [(r.writer_generation, r.step) for r in part_store(root).list()]
     want_kept = [(generation, start + CLEAN_STEPS - k) for k in reversed(range(KEEP_LAST))]
     if steps_kept != want_kept:
         failures.append(f"end: kept (generation, step) {steps_kept}, retention should keep {want_kept}")

@@ -1,7 +1,7 @@
 """The sharded N-writer commit under SIGKILL and zombie writers: seeded rounds of three real
 writer processes, killed (or one frozen) at random moments.
 
-``tests/test_sharded_store.py`` drives ``ShardedStore``'s commit protocol step by step, with
+``tests/test_sharded_store.py`` drives ``CheckpointStore``'s commit protocol step by step, with
 threads; this kills real writer processes wherever they happen to be: writing a data file,
 creating a part manifest, committing, cleaning up. Every round is a new writer generation
 (as a restarted job is) that salvages and resumes after the newest commit. Every value is

@@ -9,26 +9,27 @@ import os
 
 import numpy as np
 import pytest
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq import CheckpointStore
 from ray_checkfreq.errors import FencedWriterError, StorageError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.backends import posix
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 WORLD = 3
 
 
-def part(store: ShardedStore, step: int, rank: int, world: int = WORLD):
+def part(store: CheckpointStore, step: int, rank: int, world: int = WORLD):
     values = np.full(2, 100 * step + rank, np.float32)
     chunk = ChunkSource(key="w", data=values, global_shape=(2 * world,), offsets=(2 * rank,), rank=rank)
     return store.save_part(step, world_size=world, skeletons={rank: {"step": step}}, chunks=[chunk])
 
 
-def writers(root, world: int = WORLD, **kwargs) -> list[ShardedStore]:
-    first = ShardedStore(str(root), **kwargs)
+def writers(root, world: int = WORLD, **kwargs) -> list[CheckpointStore]:
+    first = part_store(str(root), **kwargs)
     generation = first.acquire_writer()
-    return [first, *(ShardedStore(str(root), writer_generation=generation, **kwargs) for _ in range(world - 1))]
+    return [first, *(part_store(str(root), writer_generation=generation, **kwargs) for _ in range(world - 1))]
 
 
 def vanishing_mid_listing(monkeypatch, directory, name: str) -> list[int]:
@@ -71,7 +72,7 @@ def test_a_file_vanishing_mid_listing_never_undoes_a_commit(tmp_path, monkeypatc
     assert stores[2].try_commit(5).committed  # the loser finds the commit and reports it
     assert (tmp_path / name / "manifest.json").exists()
     monkeypatch.undo()
-    assert ShardedStore(str(tmp_path)).latest().step == 5
+    assert newest_sharded(part_store(str(tmp_path))).step == 5
 
 
 def test_a_manifest_created_over_files_a_newer_generation_removed_is_fenced_by_name(tmp_path, monkeypatch):
@@ -82,7 +83,7 @@ def test_a_manifest_created_over_files_a_newer_generation_removed_is_fenced_by_n
     for rank, store in enumerate(stores):
         part(store, 5, rank)
     zombie, name = stores[0], stores[0].dir_name(5)
-    newer = ShardedStore(str(tmp_path))
+    newer = part_store(str(tmp_path))
     real_create = zombie.backend.create_exclusive
 
     def create_after_the_removal(rel_path, data, **kwargs):
@@ -105,24 +106,24 @@ def test_housekeeping_removes_an_old_directory_only_under_its_record_and_keeps_a
         part(store, 5, rank)
     name = stores[0].dir_name(5)
     assert stores[0].try_commit(5).committed  # a commit the newer generation's listing missed
-    newer = ShardedStore(str(tmp_path))
+    newer = part_store(str(tmp_path))
     generation = newer.acquire_writer()
     assert not commit.remove_uncommitted(newer.backend, name, generation)  # the record loses to it
-    assert [ref.step for ref in ShardedStore(str(tmp_path)).list()] == [5]
+    assert [ref.step for ref in part_store(str(tmp_path)).list()] == [5]
     assert commit.claim(newer.backend, "step-000000000009-g000001-00000000", generation)  # gone: nothing to claim
 
 
 def test_a_protected_step_survives_housekeeping_in_every_branch(tmp_path):
     pins = {2}
-    first = ShardedStore(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
+    first = part_store(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
     first.acquire_writer()
     for step in (1, 2):
         part(first, step, 0, world=1)
         assert first.try_commit(step).committed
-    interrupted = ShardedStore(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
+    interrupted = part_store(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
     interrupted.acquire_writer()
     part(interrupted, 2, 0, world=2)  # step 2 of a newer generation, never committed
-    latest = ShardedStore(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
+    latest = part_store(str(tmp_path), keep_last=1, protected_steps=lambda: pins)
     latest.acquire_writer()
     for step in (3, 4):
         part(latest, step, 0, world=1)
@@ -138,12 +139,12 @@ def test_a_protected_step_survives_housekeeping_in_every_branch(tmp_path):
 
 
 def test_a_zombie_failing_to_make_its_directory_ends_fenced_by_name(tmp_path, monkeypatch):
-    zombie = ShardedStore(str(tmp_path))
+    zombie = part_store(str(tmp_path))
     zombie.acquire_writer()
     real_make_dir = zombie.backend.make_dir
 
     def make_dir_after_a_takeover(rel_dir):
-        ShardedStore(str(tmp_path)).acquire_writer()
+        part_store(str(tmp_path)).acquire_writer()
         real_make_dir(rel_dir)
         raise StorageError(rel_dir, "cannot create directory: File exists")
 
@@ -158,7 +159,7 @@ def test_a_fenced_writer_withdraws_every_step_it_left_uncommitted(tmp_path):
     for step in (1, 2):
         part(stores[1], step, 1)  # ranks 0 and 2 never write: neither step can commit
         assert not stores[1].try_commit(step).committed
-    ShardedStore(str(tmp_path)).acquire_writer()
+    part_store(str(tmp_path)).acquire_writer()
     with pytest.raises(FencedWriterError):
         part(stores[1], 3, 1)
     assert sorted(os.listdir(tmp_path)) == ["writers"]
@@ -186,5 +187,5 @@ def test_a_writer_remembers_only_its_newest_parts(tmp_path):
         assert stores[0].try_commit(step).missing_ranks == (1,)  # rank 1 commits each step
         part(stores[1], step, 1, world=2)
         assert stores[1].try_commit(step).by_me
-    assert sorted(stores[0]._own) == list(range(13, 21))
-    assert stores[1]._own == {}
+    assert sorted(own.step for own in stores[0]._writer._own.values()) == list(range(13, 21))
+    assert stores[1]._writer._own == {}

@@ -14,7 +14,6 @@ from ray_checkfreq.chaos.commit_sim.scheduler import NO_FAULTS, Scheduler
 from ray_checkfreq.storage import commit, part_files
 from ray_checkfreq.storage.backends import listing
 from ray_checkfreq.storage.encoding import encode_leaf
-from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.store import CheckpointStore
 
 SUITE_SCHEDULES = 250  # per store: about 10 s together on the development machine
@@ -100,7 +99,7 @@ def _undo_after_publish(monkeypatch):
 
 
 def _housekeeping_ignores_protection(monkeypatch):
-    monkeypatch.setattr(ShardedStore, "_protected", lambda self: set())
+    monkeypatch.setattr(CheckpointStore, "_protected", lambda self: set())
     monkeypatch.setattr(CheckpointStore, "_protected", lambda self: set())
 
 

@@ -26,6 +26,7 @@ import sharded_state_jobs as jobs
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
 from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
@@ -37,7 +38,7 @@ from ray_checkfreq.errors import FencedWriterError
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 EVERY = 3
 KILLED_AT = 9  # every rank of the crashed run is SIGKILLed right after this iteration's cf.step()
@@ -71,7 +72,7 @@ def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, i
     sched.step()
 
 
-def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: ShardedStore, rank: int,
+def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: CheckpointStore, rank: int,
             persister: Any = None) -> tuple[CheckFreq, BroadcastDecisions]:
     decisions = BroadcastDecisions(dist.new_group(backend="gloo"), rank)
     config = CheckFreqConfig(every=EVERY, compress=False, commit_wait_s=COMMIT_WAIT_S)
@@ -80,7 +81,7 @@ def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, stor
     return cf, decisions
 
 
-def _shared_writer(store: ShardedStore, rank: int, *, choose_latest: bool) -> int | None:
+def _shared_writer(store: CheckpointStore, rank: int, *, choose_latest: bool) -> int | None:
     """Rank 0 takes the generation (and, restoring, picks the newest committed step) and
     hands both to every rank, as the Ray layer does."""
     chosen: list[Any] = [None, None]
@@ -89,7 +90,7 @@ def _shared_writer(store: ShardedStore, rank: int, *, choose_latest: bool) -> in
         step = None
         if choose_latest:
             store.salvage()
-            latest = store.latest()
+            latest = newest_sharded(store)
             step = None if latest is None else latest.step
         chosen = [generation, step]
     dist.broadcast_object_list(chosen, src=0)
@@ -133,11 +134,11 @@ def _run(rank: int, world: int, root: Path, store_dir: str, *, kill_at: int | No
     """TOTAL iterations from scratch; SIGKILLed after ``kill_at`` when given."""
     model, opt, sched = _training(seed=0)
     torch.manual_seed(100 + rank)  # after the model, which seeds every rank alike
-    store = ShardedStore(str(root / store_dir))
+    store = part_store(str(root / store_dir))
     _shared_writer(store, rank, choose_latest=False)
     persisted: list[dict] = []
 
-    def persister(store: ShardedStore, on_done: Any) -> ShardedPersistWorker:
+    def persister(store: CheckpointStore, on_done: Any) -> ShardedPersistWorker:
         def done(result: Any) -> None:
             persisted.append({"step": result.step, "seconds": result.seconds, "stored_bytes": result.stored_bytes})
             on_done(result)
@@ -173,11 +174,11 @@ def resume_job(rank: int, world: int, root: Path) -> None:
     """A restart after the crash: other weights, RNG and learning rate, all replaced."""
     model, opt, sched = _training(seed=123, lr=0.5)
     torch.manual_seed(555 + rank)
-    store = ShardedStore(str(root / "resume"))
+    store = part_store(str(root / "resume"))
     step = _shared_writer(store, rank, choose_latest=True)
     assert step is not None
 
-    def persister(store: ShardedStore, on_done: Any) -> Any:
+    def persister(store: CheckpointStore, on_done: Any) -> Any:
         inner = ShardedPersistWorker(store, rank=rank, world_size=world, commit_wait_s=COMMIT_WAIT_S,
                                      on_done=on_done)
         return _SkipStep(inner, SKIPPED) if rank == 1 else inner
@@ -219,7 +220,7 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
                       seams=EngineSeams(decisions=BroadcastDecisions(None, rank), takes_snapshots=takes_snapshots))
         except ValueError as err:
             refused.append(str(err))
-    store = ShardedStore(str(root / "restore-copy"))
+    store = part_store(str(root / "restore-copy"))
     store_by_uri = None
     if world == 1:
         by_uri = CheckFreq(model=model, optimizer=opt, storage=str(root / "by-uri"), every=EVERY)
@@ -247,7 +248,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     jobs.spawn(reference_job, 2, str(root))
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
         jobs.spawn(crash_job, 2, str(root))
-    committed = [ref.step for ref in ShardedStore(str(root / "crashed")).list()]
+    committed = [ref.step for ref in part_store(str(root / "crashed")).list()]
     (root / "crash-committed.json").write_text(json.dumps(committed))
     shutil.copytree(root / "crashed", root / "resume")
     shutil.copytree(root / "crashed", root / "restore-copy")
@@ -332,45 +333,45 @@ def test_sharded_model_refuses_a_checkpoint_store_local_decisions_and_no_snapsho
     alone = json.loads((runs / "reshard-w1.json").read_text())[0]
     assert len(alone["refused"]) == 2 and "CheckpointStore" in alone["refused"][0]  # alone, LocalDecisions is fine
     # a URI gets a CheckpointStore's defaults: compress=None can run the compression trial
-    assert alone["store_by_uri"] == "ShardedStore rcfz"
+    assert alone["store_by_uri"] == "CheckpointStore rcfz"
 
 
 def test_plain_model_refuses_a_sharded_store(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="ShardedStore.*plain"):
-        CheckFreq(model=model, optimizer=opt, storage=ShardedStore(str(tmp_path)), every=2)
+    with pytest.raises(ValueError, match="CheckpointStore.*plain"):
+        CheckFreq(model=model, optimizer=opt, storage=part_store(str(tmp_path)), every=2)
 
 
 # ------------------------------------------------------------------ the pieces, in process
 def test_adopt_generation_is_idempotent_and_refuses_another(tmp_path: Path) -> None:
-    store = ShardedStore(str(tmp_path))
+    store = part_store(str(tmp_path))
     store.adopt_generation(5)
     store.adopt_generation(5)
     assert store.writer_generation == 5
     with pytest.raises(ValueError, match="generation 5, cannot adopt generation 6"):
         store.adopt_generation(6)
     with pytest.raises(ValueError, match="generation=0"):
-        ShardedStore(str(tmp_path)).adopt_generation(0)
+        part_store(str(tmp_path)).adopt_generation(0)
 
 
 def test_save_part_takes_the_codec_of_the_action(tmp_path: Path) -> None:
-    store = ShardedStore(str(tmp_path), writer_generation=1)
+    store = part_store(str(tmp_path), writer_generation=1)
     data = torch.arange(4096, dtype=torch.float64) % 7
     chunk = ChunkSource(key="model/w", data=data, global_shape=(4096,), offsets=(0,), rank=0)
     for step, codec in ((1, "rcfz"), (2, None)):
         store.save_part(step, world_size=1, skeletons={0: {}}, chunks=[chunk], codec=codec)
         assert store.try_commit(step).committed
-        assert store.manifest(step).tensor("model/w").chunks[0].codec == (codec or "raw")
-        assert torch.equal(torch.as_tensor(store.load_chunks(step, {"model/w": [Box((0,), (4096,))]})["model/w"][0]),
-                           data)
+        assert store.reader(step).manifest.tensor("model/w").chunks[0].codec == (codec or "raw")
+        loaded = store.reader(step).load_boxes({"model/w": [Box((0,), (4096,))]})["model/w"][0]
+        assert torch.equal(torch.as_tensor(loaded), data)
 
 
 def test_sharded_store_shares_the_metadata_documents(tmp_path: Path) -> None:
-    ShardedStore(str(tmp_path)).write_metadata("checkfreq-profile.json", {"a": 1})
+    part_store(str(tmp_path)).write_metadata("checkfreq-profile.json", {"a": 1})
     assert CheckpointStore(str(tmp_path)).read_metadata("checkfreq-profile.json") == {"a": 1}
     with pytest.raises(ValueError, match="metadata name"):
-        ShardedStore(str(tmp_path)).read_metadata("../x.json")
+        part_store(str(tmp_path)).read_metadata("../x.json")
 
 
 def test_set_own_rng_takes_a_list_or_a_mapping_of_ranks() -> None:
@@ -423,9 +424,9 @@ def test_rank_part_keeps_owned_chunks_by_name_and_own_leaves_by_rank() -> None:
 
 
 def test_a_fenced_rank_part_is_a_persist_failure(tmp_path: Path) -> None:
-    store = ShardedStore(str(tmp_path))
+    store = part_store(str(tmp_path))
     store.acquire_writer()
-    ShardedStore(str(tmp_path)).acquire_writer()  # a newer run took over
+    part_store(str(tmp_path)).acquire_writer()  # a newer run took over
     worker = ShardedPersistWorker(store, rank=1, world_size=2, commit_wait_s=1.0)
     try:
         worker.submit(_snapshot(3))
@@ -500,7 +501,7 @@ class _CommitsLate:
         self.calls = 0
 
     def try_commit(self, step: int) -> Any:
-        from ray_checkfreq.storage.sharded_store import CommitResult
+        from ray_checkfreq.storage.store import CommitResult
 
         self.calls += 1
         done = self.commit_at is not None and self.calls >= self.commit_at

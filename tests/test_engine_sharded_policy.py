@@ -23,12 +23,13 @@ import pytest
 import sharded_state_jobs as jobs
 import torch
 import torch.distributed as dist
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
 from ray_checkfreq.engine.profiling import WARMUP_ITERS
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage.sharded_manifest import PartManifest
-from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore
 
 SLOW_PART_S = 0.15  # rank 1 writes each part this late
 TIMING_SLACK = 0.8  # rank 0 may start its persist a little after rank 1 (the ranks meet once an iteration)
@@ -79,7 +80,7 @@ def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, i
     sched.step()
 
 
-class SlowPartStore(ShardedStore):
+class SlowPartStore(CheckpointStore):
     """Slow storage under one rank: each of its parts lands ``SLOW_PART_S`` late;
     ``writes_begin``: when each step's part write began (``time.monotonic``, system-wide)."""
 
@@ -93,21 +94,21 @@ class SlowPartStore(ShardedStore):
         return super().save_part(step, **options)
 
 
-def _open_store(root: Path, rank: int, *, slow: bool) -> tuple[ShardedStore, int | None]:
+def _open_store(root: Path, rank: int, *, slow: bool) -> tuple[CheckpointStore, int | None]:
     """Rank 0 takes the writer generation and names the newest committed step; every rank
     adopts both (as the Ray layer does). Every step is kept, for the test to read."""
-    store = (SlowPartStore if slow else ShardedStore)(str(root / "store"), codec="rcfz", keep_last=MAX_ITERS)
+    store = (SlowPartStore if slow else CheckpointStore)(str(root / "store"), codec="rcfz", keep_last=MAX_ITERS)
     chosen: list[Any] = [None, None]
     if rank == 0:
         generation = store.acquire_writer()
-        latest = store.latest()
+        latest = newest_sharded(store)
         chosen = [generation, None if latest is None else latest.step]
     dist.broadcast_object_list(chosen, src=0)
     store.adopt_generation(chosen[0])
     return store, chosen[1]
 
 
-def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: ShardedStore, rank: int,
+def _engine(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, store: CheckpointStore, rank: int,
             on_persisted: Any = None) -> tuple[CheckFreq, BroadcastDecisions]:
     decisions = BroadcastDecisions(dist.new_group(backend="gloo"), rank)
     cf = CheckFreq(model=model, optimizer=opt, storage=store, extra_state={"sched": sched}, config=CONFIG,
@@ -205,10 +206,10 @@ def test_both_ranks_checkpoint_the_same_iterations_with_the_same_codec_and_each_
     assert steps == sorted(set(steps)) and steps[-1] == first["iteration"]  # the stop's checkpoint is the last
     assert [p["codec"] for p in second["persisted"]] == [p["codec"] for p in first["persisted"]]
     assert first["stats"]["checkpoints_committed"] == second["stats"]["checkpoints_committed"] == len(steps)
-    store = ShardedStore(str(run / "store"))
+    store = part_store(str(run / "store"))
     assert [ref.step for ref in store.list()] == steps  # committed: both ranks' parts are in
     for persisted in first["persisted"]:
-        manifest = store.manifest(persisted["step"])
+        manifest = store.reader(persisted["step"]).manifest
         written = {(chunk.rank, chunk.codec) for tensor in manifest.tensors for chunk in tensor.chunks
                    if chunk.dtype == "float64"}
         assert written == {(0, persisted["codec"]), (1, persisted["codec"])}, persisted["step"]

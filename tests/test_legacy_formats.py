@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from store_helpers import part_store
 
 from ray_checkfreq import CheckpointStore, codec
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "legacy"
 
@@ -68,13 +69,13 @@ def test_format_2_history_copies_load_trimmed_and_are_never_latest(tmp_path):
 
 
 def test_format_3_sharded_checkpoints_load_and_reshard(tmp_path):
-    store = ShardedStore(copy_of(tmp_path, "format3"))
+    store = part_store(copy_of(tmp_path, "format3"))
     (ref,) = store.list()
     assert (ref.step, ref.world_size) == (7, 2)
     w = torch.arange(48, dtype=torch.float32).reshape(12, 4)
-    got = store.load_chunks(ref, {"model/w": [Box((0, 0), (12, 4)), Box((3, 0), (5, 4))]})["model/w"]
+    got = store.reader(ref).load_boxes({"model/w": [Box((0, 0), (12, 4)), Box((3, 0), (5, 4))]})["model/w"]
     assert torch.equal(torch.as_tensor(got[0]), w) and torch.equal(torch.as_tensor(got[1]), w[3:8])
-    assert store.load_skeletons(ref) == {0: {"rank": 0, "step": 7}, 1: {"rank": 1, "step": 7}}
+    assert store.reader(ref).skeletons() == {0: {"rank": 0, "step": 7}, 1: {"rank": 1, "step": 7}}
 
 
 @pytest.mark.parametrize("name", ["format1", "format2", "format3"])

@@ -15,6 +15,7 @@ import torch
 
 from ray_checkfreq import CheckpointStore, codec
 from ray_checkfreq.errors import CheckpointNotFoundError
+from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_manifest
 from ray_checkfreq.storage.sharded_manifest import decode_any_manifest, decode_global
@@ -146,14 +147,14 @@ def _save_then_die_between_copy_and_delete(root: str, trim: HistoryTrim) -> None
     store = CheckpointStore(root, keep_last=2, full_every=1, history_trim=trim)
     save_steps(store, range(1, 3))
     first = store.list()[0].name
-    plain_delete = store._delete
+    plain_delete = commit.remove_committed
 
-    def crash_on_source(name: str) -> None:
+    def crash_on_source(backend, name: str, generation: int) -> None:
         if name == first:
             os.kill(os.getpid(), signal.SIGKILL)
-        plain_delete(name)
+        plain_delete(backend, name, generation)
 
-    store._delete = crash_on_source  # type: ignore[method-assign]
+    commit.remove_committed = crash_on_source  # a forked child: the patch dies with it
     store.save(3, state_of(3), epoch_boundary=True)
 
 

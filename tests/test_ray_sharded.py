@@ -20,6 +20,7 @@ import uuid
 import numpy as np
 import pytest
 from conftest import RUN_TIMEOUT_S
+from store_helpers import part_store
 from test_ray_train import assert_nothing_left, attempt_batches, events
 
 pytestmark = pytest.mark.chaos
@@ -104,9 +105,8 @@ def sample_accounting(work_dir: str) -> dict:
 
 
 def committed_steps(storage: str) -> list[int]:
-    from ray_checkfreq.storage.sharded_store import ShardedStore
 
-    return [ref.step for ref in ShardedStore(storage).list()]
+    return [ref.step for ref in part_store(storage).list()]
 
 
 def assert_equal_state(final: dict, reference: dict, *, atol: float = 0.0) -> None:

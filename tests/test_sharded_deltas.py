@@ -9,13 +9,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from store_helpers import part_store
 
 from ray_checkfreq.errors import CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.manifest import ManifestError, body_checksum
 from ray_checkfreq.storage.sharded_manifest import GLOBAL_MANIFEST_NAME, decode_global, decode_part
-from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore
 from tests.test_sharded_store import assert_loads, chunks_of, full_state, save
 
 WORLD = 2
@@ -29,14 +30,14 @@ def drifted(step: int) -> dict:
     return state
 
 
-def stores(tmp_path, full_every: int = 4, **kwargs) -> list[ShardedStore]:
-    first = ShardedStore(str(tmp_path), codec="rcfz", full_every=full_every, **kwargs)
+def stores(tmp_path, full_every: int = 4, **kwargs) -> list[CheckpointStore]:
+    first = part_store(str(tmp_path), codec="rcfz", full_every=full_every, **kwargs)
     generation = first.acquire_writer()
-    second = ShardedStore(str(tmp_path), codec="rcfz", full_every=full_every, writer_generation=generation, **kwargs)
+    second = part_store(str(tmp_path), codec="rcfz", full_every=full_every, writer_generation=generation, **kwargs)
     return [first, second]
 
 
-def save_step(writers: list[ShardedStore], step: int) -> None:
+def save_step(writers: list[CheckpointStore], step: int) -> None:
     for rank, writer in enumerate(writers):
         save(writer, step, [rank], drifted(step), WORLD)
     assert any(writer.try_commit(step).committed for writer in writers)
@@ -44,7 +45,7 @@ def save_step(writers: list[ShardedStore], step: int) -> None:
         assert writer.try_commit(step).committed
 
 
-def global_manifest(store: ShardedStore, step: int):
+def global_manifest(store: CheckpointStore, step: int):
     return decode_global(store.backend.read_small(f"{store.dir_name(step)}/{GLOBAL_MANIFEST_NAME}"))
 
 
@@ -72,13 +73,13 @@ def test_parts_between_full_ones_are_deltas_and_load_bit_for_bit(tmp_path):
 def test_raw_codec_and_full_every_one_write_no_delta(tmp_path):
     for kwargs in ({"full_every": 1}, {}):
         root = tmp_path / str(len(kwargs))
-        first = ShardedStore(str(root), codec="rcfz", **kwargs)
+        first = part_store(str(root), codec="rcfz", **kwargs)
         first.acquire_writer()
         for step in (1, 2, 3):
             save(first, step, [0], drifted(step), 1)
             assert first.try_commit(step).committed
             assert not global_manifest(first, step).delta_bases
-    raw = ShardedStore(str(tmp_path / "raw"), codec="raw", full_every=4)
+    raw = part_store(str(tmp_path / "raw"), codec="raw", full_every=4)
     raw.acquire_writer()
     for step in (1, 2):
         save(raw, step, [0], drifted(step), 1)
@@ -110,7 +111,7 @@ def test_a_removed_base_makes_the_next_part_full_and_a_delta_of_it_refused_by_na
     base = writers[0].dir_name(1)
     commit.remove_committed(writers[0].backend, base, writers[0].writer_generation)
     with pytest.raises(CorruptCheckpointError, match=f"delta base is unusable \\({base}\\)"):
-        writers[0].load_chunks(2, {"model/w": [Box((0, 0), (256, 96))]})
+        writers[0].reader(2).load_boxes({"model/w": [Box((0, 0), (256, 96))]})
     save_step(writers, 3)  # the writers see the base gone: full parts
     assert not global_manifest(writers[0], 3).delta_bases
     assert_loads(writers[0], 3, drifted(3), WORLD)
@@ -127,7 +128,7 @@ def test_a_delta_whose_base_went_before_the_commit_is_not_committed(tmp_path):
     assert [ref.step for ref in writers[0].list()] == []
 
 
-def _rewrite(store: ShardedStore, path: str, change) -> None:
+def _rewrite(store: CheckpointStore, path: str, change) -> None:
     body = json.loads(store.backend.read_small(path))
     change(body)
     body.pop("manifest_crc32")
@@ -151,9 +152,9 @@ def test_a_delta_of_a_delta_is_refused_by_name(tmp_path):
             if part["delta_base"] is not None:
                 part["delta_base"] = delta_dir
     _rewrite(writers[0], path, retarget)
-    reader = ShardedStore(str(tmp_path))
+    reader = part_store(str(tmp_path))
     with pytest.raises(CorruptCheckpointError, match="no full chunk"):
-        reader.load_chunks(3, {"model/w": [Box((0, 0), (256, 96))]})
+        reader.reader(3).load_boxes({"model/w": [Box((0, 0), (256, 96))]})
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -178,7 +179,7 @@ def test_hostile_delta_fields_in_a_part_are_refused_by_name(tmp_path, change, re
 
 
 def test_format_3_manifests_still_decode(tmp_path):
-    store = ShardedStore(str(tmp_path), codec="raw")
+    store = part_store(str(tmp_path), codec="raw")
     store.acquire_writer()
     save(store, 1, [0], drifted(1), 1)
     store.try_commit(1)
@@ -196,5 +197,5 @@ def test_format_3_manifests_still_decode(tmp_path):
     _rewrite(store, path, as_format_3)
     manifest = decode_global(store.backend.read_small(path))
     assert manifest.parts[0].delta_base is None
-    got = ShardedStore(str(tmp_path)).load_chunks(1, {"optim/v": [Box((0,), (10,))]})["optim/v"][0]
+    got = part_store(str(tmp_path)).reader(1).load_boxes({"optim/v": [Box((0,), (10,))]})["optim/v"][0]
     assert np.array_equal(np.asarray(got), drifted(1)["optim/v"])

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from sharded_state_jobs import spawn
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.cli import main
 from ray_checkfreq.errors import CheckpointNotFoundError
@@ -20,7 +21,7 @@ from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.arrays import leaf_bytes
 from ray_checkfreq.storage.chunks import Box, whole
 from ray_checkfreq.storage.sharded_export import dcp_fqn, export_store
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 WORLD = 4
 STEP = 5
@@ -56,13 +57,13 @@ def piece(value, box: Box):
     return out.contiguous() if isinstance(out, torch.Tensor) else np.ascontiguousarray(out)
 
 
-def write_sharded(root: Path, codec: str = "raw") -> ShardedStore:
+def write_sharded(root: Path, codec: str = "raw") -> CheckpointStore:
     """Two writers (ranks 0-1 and 2-3) save step STEP; the second commits."""
     state = full_state()
-    store = ShardedStore(str(root), codec=codec, crc_block_bytes=64 * 1024)
+    store = part_store(str(root), codec=codec, crc_block_bytes=64 * 1024)
     generation = store.acquire_writer()
     for ranks in ([0, 1], [2, 3]):
-        writer = ShardedStore(str(root), writer_generation=generation, codec=codec, crc_block_bytes=64 * 1024)
+        writer = part_store(str(root), writer_generation=generation, codec=codec, crc_block_bytes=64 * 1024)
         chunks = [ChunkSource(key=key, data=piece(value, box), global_shape=tuple(value.shape), offsets=box.offsets,
                               rank=rank)
                   for key, value in state.items()
@@ -74,7 +75,7 @@ def write_sharded(root: Path, codec: str = "raw") -> ShardedStore:
 
 
 def export(root: Path, target: Path, fmt: str | None = None, step: int | None = STEP) -> str:
-    return export_store(CheckpointStore(str(root)), ShardedStore(str(root)), step, str(target), fmt=fmt)
+    return export_store(CheckpointStore(str(root)), step, str(target), fmt=fmt)
 
 
 def as_torch(value) -> torch.Tensor:
@@ -190,7 +191,7 @@ def test_dcp_export_refuses_a_non_empty_directory_and_a_trim(sharded_root, tmp_p
         export(sharded_root, out, "dcp")
     assert (out / "x").read_text() == "keep"
     with pytest.raises(ValueError, match="precision"):
-        export_store(CheckpointStore(str(sharded_root)), ShardedStore(str(sharded_root)), STEP, str(tmp_path / "d"),
+        export_store(CheckpointStore(str(sharded_root)), STEP, str(tmp_path / "d"),
                      fmt="dcp", precision_bits=8)
 
 
@@ -220,7 +221,7 @@ def test_pt_export_of_a_sharded_checkpoint_holds_the_full_tensors(sharded_root, 
 def test_a_missing_or_incomplete_step_is_an_error_naming_store_and_step(tmp_path):
     root = tmp_path / "store"
     write_sharded(root)
-    writer = ShardedStore(str(root), writer_generation=ShardedStore(str(root)).latest().writer_generation)
+    writer = part_store(str(root), writer_generation=newest_sharded(part_store(str(root))).writer_generation)
     value = full_state()["model/w"]
     writer.save_part(9, world_size=2, skeletons={0: {}},
                      chunks=[ChunkSource(key="model/w", data=value[:4].contiguous(), global_shape=(7, 5),

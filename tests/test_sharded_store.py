@@ -11,13 +11,14 @@ import threading
 import numpy as np
 import pytest
 import torch
+from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.errors import CorruptCheckpointError, FencedWriterError, StorageError
 from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.chunks import Box, whole
 from ray_checkfreq.storage.manifest import body_checksum
 from ray_checkfreq.storage.sharded_manifest import GLOBAL_MANIFEST_NAME, decode_global, decode_part, part_manifest_name
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 WORLD = 4
 
@@ -66,16 +67,16 @@ def chunks_of(state: dict, ranks: list[int], world: int = WORLD) -> list[ChunkSo
     return out
 
 
-def save(store: ShardedStore, step: int, ranks: list[int], state: dict, world: int = WORLD):
+def save(store: CheckpointStore, step: int, ranks: list[int], state: dict, world: int = WORLD):
     skeletons = {r: {"rng": [r, step], "data": {"consumed": 10 * step}} for r in ranks}
     return store.save_part(step, world_size=world, skeletons=skeletons, chunks=chunks_of(state, ranks, world))
 
 
-def assert_loads(store: ShardedStore, step: int, state: dict, world: int) -> None:
+def assert_loads(store: CheckpointStore, step: int, state: dict, world: int) -> None:
     """Every tensor rebuilt from the boxes of a ``world``-rank layout equals the saved one."""
     for key, value in state.items():
         boxes = rank_boxes(key, tuple(value.shape), world)
-        pieces = store.load_chunks(step, {key: boxes})[key]
+        pieces = store.reader(step).load_boxes({key: boxes})[key]
         for box, got in zip(boxes, pieces):
             want = piece(value, box)
             assert type(got) is type(want), key
@@ -100,7 +101,7 @@ def run_writers(root, generation: int, order: list[int], killed: int | None, sta
     errors: list[BaseException] = []
 
     def writer(position: int, rank: int) -> None:
-        store = ShardedStore(str(root), writer_generation=generation)
+        store = part_store(str(root), writer_generation=generation)
         turns[position].wait()
         try:
             save(store, step, [rank], state)
@@ -128,20 +129,20 @@ def test_writers_finishing_in_every_order_commit_exactly_once_and_never_with_a_p
     state = full_state(1)
     for n, order in enumerate(itertools.permutations(range(WORLD))):
         root = tmp_path / f"{n}"
-        generation = fencing.acquire_generation(ShardedStore(str(root)).backend, 0)
+        generation = fencing.acquire_generation(part_store(str(root)).backend, 0)
         results = run_writers(root, generation, list(order), killed, state)
         found = manifests(root)
         by_me = [r for r, res in results.items() if res.by_me]
         assert len(found) == len(by_me) <= 1, (order, killed, results)
         if killed is None or order[-1] != killed:  # a writer listed after the killed one's part
             assert len(found) == 1, (order, killed)
-        store = ShardedStore(str(root), writer_generation=generation + 1)
+        store = part_store(str(root), writer_generation=generation + 1)
         if not found:  # the committer died after the last part: the next generation salvages
             fencing.acquire_generation(store.backend, generation)
             assert store.salvage() is not None
         manifest = decode_global(manifests(root)[0].read_bytes())
         assert sorted(r for p in manifest.parts for r in p.ranks) == list(range(WORLD))
-        assert store.latest().step == 7
+        assert newest_sharded(store).step == 7
     assert_loads(store, 7, state, WORLD)
 
 
@@ -149,11 +150,11 @@ def test_a_newer_generation_mid_way_fences_the_rest_and_nothing_commits(tmp_path
     state = full_state(2)
     for fenced_after in range(WORLD):
         root = tmp_path / f"{fenced_after}"
-        old = [ShardedStore(str(root), writer_generation=1) for _ in range(WORLD)]
+        old = [part_store(str(root), writer_generation=1) for _ in range(WORLD)]
         fencing.acquire_generation(old[0].backend, 0)
         for rank in range(fenced_after):
             save(old[rank], 3, [rank], state)
-        newer = ShardedStore(str(root))
+        newer = part_store(str(root))
         assert newer.acquire_writer() == 2
         for rank in range(fenced_after, WORLD):
             with pytest.raises(FencedWriterError, match="writer generation 1 is fenced: generation 2"):
@@ -167,13 +168,13 @@ def test_a_newer_generation_mid_way_fences_the_rest_and_nothing_commits(tmp_path
         assert newer.salvage() is None
 
 
-def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_step(tmp_path):
+def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_step(tmp_path, monkeypatch):
     state, newer_state = full_state(3), full_state(4)
-    old = ShardedStore(str(tmp_path), keep_last=1)
+    old = part_store(str(tmp_path), keep_last=1)
     old.acquire_writer()
     for rank in range(WORLD - 1):
         save(old, 5, [rank], state)
-    new = ShardedStore(str(tmp_path))
+    new = part_store(str(tmp_path))
     assert new.acquire_writer() == 2
     # a zombie of generation 1 tries to finish its step: refused by name, nothing of it left
     with pytest.raises(FencedWriterError, match="writer generation 1 is fenced: generation 2"):
@@ -190,20 +191,20 @@ def test_an_old_generation_can_neither_add_a_part_nor_commit_nor_hide_a_newer_st
     parts = [decode_part(p.read_bytes()) for p in (tmp_path / new.dir_name(4)).glob("part-*.json")]
     assert sorted(p.writer_generation for p in parts) == [2] * WORLD
     # nor hide it: a stale commit that slipped through the window sorts below generation 2
-    old._check_fence = lambda generation: None  # the window between check and commit
+    monkeypatch.setattr(fencing, "check_fence", lambda *args, **kwargs: None)  # the window between check and commit
     save(new, 6, [0], newer_state)  # generation 2 is writing step 6
     for rank in range(WORLD):
         save(old, 9, [rank], state)
     assert old.try_commit(9).by_me
     assert (tmp_path / new.dir_name(6) / part_manifest_name(0)).exists(), "its housekeeping spared the newer writer"
     assert [(r.writer_generation, r.step) for r in new.list()] == [(1, 9), (2, 4), (2, 5)]
-    assert new.latest().step == 5 and new.latest().writer_generation == 2
+    assert newest_sharded(new).step == 5 and newest_sharded(new).writer_generation == 2
     assert_loads(new, 5, newer_state, WORLD)
 
 
 def test_housekeeping_only_by_the_committer_and_never_of_a_newer_generation(tmp_path):
     state = full_state(5)
-    store = ShardedStore(str(tmp_path), keep_last=1)
+    store = part_store(str(tmp_path), keep_last=1)
     store.acquire_writer()
     save(store, 1, [0], state)  # an older step of this generation, never completed
     for step in (2, 3):
@@ -220,7 +221,7 @@ def test_housekeeping_only_by_the_committer_and_never_of_a_newer_generation(tmp_
 
 
 
-def commit_at_once(stores: list[ShardedStore], step: int, state: dict) -> tuple[dict, list]:
+def commit_at_once(stores: list[CheckpointStore], step: int, state: dict) -> tuple[dict, list]:
     """Rank r writes its part through ``stores[r]``; once every part is there, all commit at once."""
     barrier, results, errors = threading.Barrier(len(stores)), {}, []
 
@@ -252,10 +253,10 @@ def test_without_a_conditional_create_only_rank_0_creates_the_global_manifest(tm
     state = full_state(2)
     plain = holding_filesystem(str(tmp_path / "no-holds"))  # no hold armed: the local disk, through pyarrow
     root = str(tmp_path / "store")
-    first = ShardedStore(root, filesystem=plain, keep_last=2)
+    first = part_store(root, filesystem=plain, keep_last=2)
     assert isinstance(first.backend, ArrowBackend)
     generation = first.acquire_writer()
-    stores = [first, *(ShardedStore(root, filesystem=plain, keep_last=2, writer_generation=generation)
+    stores = [first, *(part_store(root, filesystem=plain, keep_last=2, writer_generation=generation)
                        for _ in range(WORLD - 1))]
     assert not first.backend.atomic_exclusive_create
     for step in range(1, 16):
@@ -264,7 +265,7 @@ def test_without_a_conditional_create_only_rank_0_creates_the_global_manifest(tm
         assert results[0].committed and results[0].by_me, (step, results)
         assert not any(results[rank].by_me for rank in range(1, WORLD)), (step, results)
         assert all(result.committed or not result.missing_ranks for result in results.values()), (step, results)
-        assert first.latest().step == step
+        assert newest_sharded(first).step == step
         assert stores[1].try_commit(step).committed  # a rank polling later finds rank 0's commit
     assert [ref.step for ref in first.list()] == [14, 15]
     assert not list((tmp_path / "store").rglob("*.tmp"))
@@ -275,7 +276,7 @@ def test_a_failed_clean_up_after_a_commit_fails_nothing_and_the_next_commit_clea
     """The step is durable once its manifest is: removing older ones failing (another
     committer removing them too, say) must not fail the rank's persist."""
     state = full_state(3)
-    store = ShardedStore(str(tmp_path), keep_last=1)
+    store = part_store(str(tmp_path), keep_last=1)
     store.acquire_writer()
     for step in (1, 2):
         for rank in range(WORLD):
@@ -298,25 +299,25 @@ def test_a_failed_clean_up_after_a_commit_fails_nothing_and_the_next_commit_clea
 # ------------------------------------------------------------------ salvage
 def test_salvage_commits_a_complete_old_directory_only_without_a_newer_checkpoint(tmp_path):
     state = full_state(6)
-    old = ShardedStore(str(tmp_path))
+    old = part_store(str(tmp_path))
     old.acquire_writer()
     for rank in range(WORLD):
         save(old, 8, [rank], state)  # every part durable, the committer died
     for rank in range(2):
         save(old, 9, [rank], state)  # incomplete: never salvaged
-    new = ShardedStore(str(tmp_path))
+    new = part_store(str(tmp_path))
     new.acquire_writer()
     ref = new.salvage()
     assert ref is not None and (ref.step, ref.writer_generation) == (8, 1)
     assert_loads(new, 8, state, 3)
-    assert new.load_skeletons(8, [2]) == {2: {"rng": [2, 8], "data": {"consumed": 80}}}
+    assert new.reader(8).skeletons([2]) == {2: {"rng": [2, 8], "data": {"consumed": 80}}}
     # once a newer generation has committed, an old directory is no longer salvaged
     root2 = tmp_path / "second"
-    old2 = ShardedStore(str(root2))
+    old2 = part_store(str(root2))
     old2.acquire_writer()
     for rank in range(WORLD):
         save(old2, 8, [rank], state)
-    new2 = ShardedStore(str(root2))
+    new2 = part_store(str(root2))
     new2.acquire_writer()
     for rank in range(WORLD):
         save(new2, 2, [rank], state)
@@ -327,8 +328,8 @@ def test_salvage_commits_a_complete_old_directory_only_without_a_newer_checkpoin
 
 
 # ------------------------------------------------------------------ hostile manifests
-def committed(tmp_path, state=None, steps=(1,)) -> ShardedStore:
-    store = ShardedStore(str(tmp_path))
+def committed(tmp_path, state=None, steps=(1,)) -> CheckpointStore:
+    store = part_store(str(tmp_path))
     store.acquire_writer()
     for step in steps:
         for rank in range(WORLD):
@@ -355,7 +356,7 @@ def rewrite_signed(path, change) -> None:
     (lambda b: b.__setitem__("format_version", 2), "format version"),
 ])
 def test_a_corrupt_or_hostile_part_manifest_is_refused_by_name(tmp_path, change, reason):
-    store = ShardedStore(str(tmp_path))
+    store = part_store(str(tmp_path))
     store.acquire_writer()
     for rank in range(WORLD):
         save(store, 1, [rank], full_state())
@@ -374,12 +375,12 @@ def test_a_corrupt_or_hostile_part_manifest_is_refused_by_name(tmp_path, change,
 
 
 def test_a_part_of_another_step_or_a_rank_claimed_twice_is_refused(tmp_path):
-    store = ShardedStore(str(tmp_path))
+    store = part_store(str(tmp_path))
     store.acquire_writer()
     for rank in range(WORLD):
         save(store, 1, [rank], full_state())
     before = sorted(p.name for p in (tmp_path / store.dir_name(1)).iterdir())
-    extra = ShardedStore(str(tmp_path), writer_generation=store.writer_generation)
+    extra = part_store(str(tmp_path), writer_generation=store.writer_generation)
     with pytest.raises(StorageError, match="part-r00002.json: a part for these ranks is there already"):
         save(extra, 1, [2, 3], full_state())
     assert sorted(p.name for p in (tmp_path / store.dir_name(1)).iterdir()) == before  # its files taken back
@@ -410,20 +411,20 @@ def drop_last_part(body: dict) -> None:
 ])
 def test_a_corrupt_or_hostile_global_manifest_is_refused_by_name_and_latest_falls_back(tmp_path, change, reason):
     store = committed(tmp_path, steps=(1, 2))
-    held = store.latest()  # a ref taken before the damage
+    held = newest_sharded(store)  # a ref taken before the damage
     path = tmp_path / store.dir_name(2) / GLOBAL_MANIFEST_NAME
     rewrite_signed(path, change)
     with pytest.raises(CorruptCheckpointError, match=reason) as err:
-        store.load_chunks(held, {"model/w": [Box((0, 0), (1, 48))]})
+        store.reader(held).load_boxes({"model/w": [Box((0, 0), (1, 48))]})
     assert f"{store.dir_name(2)}/manifest.json" in str(err.value)
-    assert store.latest().step == 1
+    assert newest_sharded(store).step == 1
     assert_loads(store, 1, full_state(1), 2)
 
 
 def test_a_manifest_is_decoded_once_per_store_until_its_bytes_change(tmp_path, monkeypatch):
     """A restore lists the store several times (salvage, latest, the load); decoding a large
     manifest costs ~0.1 s, so each is decoded once, and again only when its bytes changed."""
-    import ray_checkfreq.storage.sharded_store as sharded_store
+    import ray_checkfreq.storage.catalog as catalog
 
     store = committed(tmp_path, steps=(1, 2))
     decoded: list[int] = []
@@ -433,35 +434,35 @@ def test_a_manifest_is_decoded_once_per_store_until_its_bytes_change(tmp_path, m
         decoded.append(manifest.step)
         return manifest
 
-    monkeypatch.setattr(sharded_store, "decode_global", counting)
-    reader = ShardedStore(str(tmp_path))
+    monkeypatch.setattr(catalog, "decode_any_manifest", counting)
+    reader = part_store(str(tmp_path))
     assert [ref.step for ref in reader.list()] == [1, 2] and sorted(decoded) == [1, 2]
-    assert reader.latest().step == 2 and reader.manifest(2).step == 2
+    assert newest_sharded(reader).step == 2 and reader.reader(2).manifest.step == 2
     assert_loads(reader, 2, full_state(2), WORLD)
     assert sorted(decoded) == [1, 2]
     rewrite_signed(tmp_path / store.dir_name(2) / GLOBAL_MANIFEST_NAME,
                    lambda body: body.__setitem__("created_unix_ns", body["created_unix_ns"] + 1))
-    assert reader.latest().step == 2 and sorted(decoded) == [1, 2, 2]
+    assert newest_sharded(reader).step == 2 and sorted(decoded) == [1, 2, 2]
 
 
 def test_a_flipped_data_byte_is_caught_by_its_block_checksum(tmp_path):
-    store = ShardedStore(str(tmp_path), crc_block_bytes=4096)
+    store = part_store(str(tmp_path), crc_block_bytes=4096)
     store.acquire_writer()
     state = full_state(7)
     for rank in range(WORLD):
         save(store, 1, [rank], state)
     store.try_commit(1)
-    chunk = store.manifest(1).tensor("model/w").chunks[1]
+    chunk = store.reader(1).manifest.tensor("model/w").chunks[1]
     path = tmp_path / store.dir_name(1) / chunk.file
     data = bytearray(path.read_bytes())
     data[chunk.offset + 5000] ^= 1  # block 1 of rank 1's rows
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in tensor 'model/w'.*block 1") as err:
-        store.load_chunks(1, {"model/w": [Box((64, 0), (64, 96))]})
+        store.reader(1).load_boxes({"model/w": [Box((64, 0), (64, 96))]})
     assert chunk.file in str(err.value)
     # rows in blocks that are intact still load (the damage is contained to its block):
     # block 2 of the chunk starts at byte 8192, within its row 10
-    got = store.load_chunks(1, {"model/w": [Box((75, 0), (20, 96))]})["model/w"][0]
+    got = store.reader(1).load_boxes({"model/w": [Box((75, 0), (20, 96))]})["model/w"][0]
     assert torch.equal(got, state["model/w"][75:95])
 
 
@@ -479,7 +480,7 @@ class RecordingBackend:
         return getattr(self.backend, name)
 
 
-def reshard_checks(store: ShardedStore, state: dict) -> None:
+def reshard_checks(store: CheckpointStore, state: dict) -> None:
     for rank in range(WORLD):
         save(store, 1, [rank], state)
     assert store.try_commit(1).by_me
@@ -487,16 +488,16 @@ def reshard_checks(store: ShardedStore, state: dict) -> None:
         assert_loads(store, 1, state, world)
     # a 2-D mesh-like layout of the Shard(0) weight: 3 x 2 grid boxes
     grid = [Box((lo, c0), (hi - lo, c1 - c0)) for lo, hi in rows(256, 3) for c0, c1 in ((0, 20), (20, 96))]
-    for box, got in zip(grid, store.load_chunks(1, {"model/w": grid})["model/w"]):
+    for box, got in zip(grid, store.reader(1).load_boxes({"model/w": grid})["model/w"]):
         assert torch.equal(got, state["model/w"][box.slices()])
     # rows 80..120 lie in rank 1's chunk (rows 64..128): only that chunk's bytes are read,
     # its overlap widened to whole 4 KiB CRC blocks at most
     recorder = RecordingBackend(store.backend)
     store.backend = recorder
-    got = store.load_chunks(1, {"model/w": [Box((80, 0), (40, 96))]})["model/w"][0]
+    got = store.reader(1).load_boxes({"model/w": [Box((80, 0), (40, 96))]})["model/w"][0]
     store.backend = recorder.backend
     assert torch.equal(got, state["model/w"][80:120])
-    chunk = store.manifest(1).tensor("model/w").chunks[1]
+    chunk = store.reader(1).manifest.tensor("model/w").chunks[1]
     assert len(recorder.reads) == 1
     path, offset, length = recorder.reads[0]
     assert path.endswith(chunk.file)
@@ -506,16 +507,16 @@ def reshard_checks(store: ShardedStore, state: dict) -> None:
 
 
 def test_resharding_from_local_storage_reads_only_overlapping_ranges(tmp_path):
-    reshard_checks(_with_writer(ShardedStore(str(tmp_path), crc_block_bytes=4096)), full_state(8))
+    reshard_checks(_with_writer(part_store(str(tmp_path), crc_block_bytes=4096)), full_state(8))
 
 
 def test_resharding_with_compressed_chunks_decodes_them_whole(tmp_path):
-    store = _with_writer(ShardedStore(str(tmp_path), codec="rcfz"))
+    store = _with_writer(part_store(str(tmp_path), codec="rcfz"))
     state = full_state(9)
     for rank in range(WORLD):
         save(store, 1, [rank], state)
     store.try_commit(1)
-    assert {c.codec for t in store.manifest(1).tensors for c in t.chunks} >= {"rcfz"}
+    assert {c.codec for t in store.reader(1).manifest.tensors for c in t.chunks} >= {"rcfz"}
     for world in (1, 3):
         assert_loads(store, 1, state, world)
 
@@ -524,13 +525,13 @@ def test_resharding_with_compressed_chunks_decodes_them_whole(tmp_path):
 def test_resharding_from_s3_reads_only_overlapping_ranges(s3_server, s3_bucket):
     from ray_checkfreq import S3Options
 
-    store = _with_writer(ShardedStore(f"s3://{s3_bucket}/sharded", s3=S3Options(endpoint_url=s3_server),
+    store = _with_writer(part_store(f"s3://{s3_bucket}/sharded", s3=S3Options(endpoint_url=s3_server),
                                       crc_block_bytes=4096))
     reshard_checks(store, full_state(10))
-    assert store.latest().uri.startswith(f"s3://{s3_bucket}/sharded/step-000000000001-g000001-")
+    assert newest_sharded(store).uri.startswith(f"s3://{s3_bucket}/sharded/step-000000000001-g000001-")
 
 
-def _with_writer(store: ShardedStore) -> ShardedStore:
+def _with_writer(store: CheckpointStore) -> CheckpointStore:
     store.acquire_writer()
     return store
 
@@ -569,8 +570,8 @@ def test_read_range_on_s3(s3_server, s3_bucket):
 
 def test_a_store_without_a_generation_reads_but_does_not_write(tmp_path):
     committed(tmp_path)
-    reader = ShardedStore(str(tmp_path))
-    assert reader.latest().step == 1
+    reader = part_store(str(tmp_path))
+    assert newest_sharded(reader).step == 1
     with pytest.raises(StorageError, match="no writer generation"):
         save(reader, 2, [0], full_state())
-    assert math.prod(reader.manifest(1).tensor("model/w").global_shape) == 256 * 96
+    assert math.prod(reader.reader(1).manifest.tensor("model/w").global_shape) == 256 * 96

@@ -51,7 +51,6 @@ from ray_checkfreq.engine.state import state_adapter
 from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
 from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
 
 __all__ = ["CHECKPOINT_CAUSES", "PROFILE_NAME", "CheckFreq", "CheckFreqConfig"]
 
@@ -113,7 +112,7 @@ class CheckFreq:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        storage: str | CheckpointStore | ShardedStore,
+        storage: str | CheckpointStore,
         data: Any = None,
         extra_state: Mapping[str, Any] | None = None,
         overhead: float | None = None,
@@ -137,7 +136,7 @@ class CheckFreq:
         self.extra_state = dict(extra_state or {})
         _check_stateful(data, self.extra_state)
         self._sharded = _sharded_mode(model, optimizer, storage, seams, self.config)
-        self.store: CheckpointStore | ShardedStore = _store_for(storage, self._sharded)
+        self.store: CheckpointStore = _store_for(storage)
         self.stop_at: int | None = None  # planner only: checkpoint at this iteration (or the next planned) and stop
         self._seams = _seams_for(seams, self._sharded)
         self._decisions = self._seams.decisions
@@ -179,10 +178,9 @@ class CheckFreq:
         """
         if self._sharded is not None:
             return self._restore_sharded(self._sharded)
-        assert isinstance(self.store, CheckpointStore)
         self.store.acquire_writer()
         self.load_cached_profile()
-        if not self.store.list():
+        if not self.store.list(placement="replicated"):
             self._begin(0)
             return 0
         # Falls back past corrupt checkpoints; raises if there are checkpoints but none loads,
@@ -193,7 +191,6 @@ class CheckFreq:
 
     def _restore_sharded(self, mode: ShardedMode) -> int:
         store = self.store
-        assert isinstance(store, ShardedStore)
         if mode.world_size > 1:
             raise RuntimeError(
                 f"CheckFreq.restore() in sharded mode with {mode.world_size} ranks: every rank must load the same "
@@ -203,7 +200,7 @@ class CheckFreq:
         store.acquire_writer()
         store.salvage()
         self.load_cached_profile()
-        refs = store.list()
+        refs = store.list(placement="sharded")
         if not refs:
             self._begin(0)
             return 0
@@ -222,7 +219,7 @@ class CheckFreq:
         optimizer (from any saved world size), its extra state, data and RNG states, and
         resume counting from it; returns its iteration. Every rank calls it with the same
         step: it is a collective."""
-        if self._sharded is None or not isinstance(self.store, ShardedStore):
+        if self._sharded is None:
             raise RuntimeError("load_sharded() is for a sharded model (DTensor parameters); use restore()")
         iteration = self._executor.load_sharded(self.store, step)
         self._begin(iteration)
@@ -274,7 +271,7 @@ class CheckFreq:
         """Sharded mode: a store without a writer generation takes one when alone; with more
         ranks each must have been handed rank 0's (else no part could be written)."""
         store, mode = self.store, self._sharded
-        if mode is None or not isinstance(store, ShardedStore) or store.writer_generation is not None:
+        if mode is None or store.writer_generation is not None:
             return
         if mode.world_size == 1:
             store.acquire_writer()
@@ -448,13 +445,7 @@ def _sharded_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stor
     ValueError when the storage or the decision channel does not fit the model."""
     adapter = state_adapter(model, optimizer)
     if not adapter.sharded:
-        if isinstance(storage, ShardedStore):
-            raise ValueError(f"storage={storage!r} is a ShardedStore but the model's parameters are plain "
-                             "tensors (not DTensors): pass a CheckpointStore or a URI")
         return None
-    if isinstance(storage, CheckpointStore):
-        raise ValueError(f"storage={storage!r} is a CheckpointStore but the model is sharded (DTensor "
-                         "parameters): pass a ShardedStore or a URI")
     rank, world_size = _rank_and_world()
     if seams is not None and not seams.takes_snapshots:
         raise ValueError(f"rank {rank}: EngineSeams(takes_snapshots=False) with a sharded model: every rank holds "
@@ -475,14 +466,8 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _store_for(storage: str | CheckpointStore | ShardedStore,
-               sharded: ShardedMode | None) -> CheckpointStore | ShardedStore:
-    if isinstance(storage, (CheckpointStore, ShardedStore)):
-        return storage
-    store = CheckpointStore(storage)
-    # A URI gets the same defaults either way (codec, retention), so compress=None runs the
-    # compression trial for a sharded state too, as it does under Ray.
-    return store.sharded_twin() if sharded is not None else store
+def _store_for(storage: str | CheckpointStore) -> CheckpointStore:
+    return storage if isinstance(storage, CheckpointStore) else CheckpointStore(storage)
 
 
 def _seams_for(seams: EngineSeams | None, sharded: ShardedMode | None) -> EngineSeams:
@@ -495,7 +480,7 @@ def _seams_for(seams: EngineSeams | None, sharded: ShardedMode | None) -> Engine
     return dataclasses.replace(seams, set_rng_state=lambda saved: set_own_rng(saved, rank=rank, seed=0))
 
 
-def _forced_codec(compress: bool | None, store: CheckpointStore | ShardedStore) -> str | None:
+def _forced_codec(compress: bool | None, store: CheckpointStore) -> str | None:
     """The codec fixed by configuration, or None to measure: a store set to raw stays raw."""
     if compress is None:
         return "raw" if store.config.codec == "raw" else None

@@ -36,7 +36,6 @@ from ray_checkfreq.engine.snapshot_plan import LocalViews
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter
 from ray_checkfreq.engine.stats import EngineStats
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.tree import leaves_of
 
 logger = logging.getLogger("ray_checkfreq.engine")
@@ -87,7 +86,7 @@ class TrainingState:
 class Executor:
     """Snapshot, persist, fence and open-checkpoint completion for the actions applied here."""
 
-    def __init__(self, state: TrainingState, *, store: CheckpointStore | ShardedStore, seams: EngineSeams,
+    def __init__(self, state: TrainingState, *, store: CheckpointStore, seams: EngineSeams,
                  stats: EngineStats, k: int | None, on_persisted: Callable[[PersistResult], None],
                  sharded: ShardedMode | None = None) -> None:
         self.state = state
@@ -137,7 +136,7 @@ class Executor:
         live.optimizer.load_state_dict(state["optimizer"])
         return self._load_rest(state, state["rng"])
 
-    def load_sharded(self, store: ShardedStore, step: int) -> int:
+    def load_sharded(self, store: CheckpointStore, step: int) -> int:
         """Sharded mode, on every rank (a collective): fill model and optimizer with this
         rank's boxes of ``step`` (any saved world size), then extra state, data and this
         rank's RNG states; returns the step's iteration."""
@@ -417,18 +416,16 @@ class Executor:
             self.snapshotter.close()
 
 
-def _new_persister(seams: EngineSeams, store: CheckpointStore | ShardedStore,
+def _new_persister(seams: EngineSeams, store: CheckpointStore,
                    on_persisted: Callable[[PersistResult], None], sharded: ShardedMode | None) -> Persister:
     if not seams.takes_snapshots:
         return NullPersister()
     if seams.persister is not None:
         return seams.persister(store, on_persisted)
     if sharded is not None:
-        assert isinstance(store, ShardedStore)
         return ShardedPersistWorker(store, rank=sharded.rank, world_size=sharded.world_size,
                                     commit_wait_s=sharded.commit_wait_s, on_done=on_persisted,
                                     seal=seams.seal_snapshot)
-    assert isinstance(store, CheckpointStore)
     return PersistWorker(store, on_done=on_persisted)
 
 

@@ -14,7 +14,6 @@ import torch
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profiling import cached_profile, fingerprint, fingerprint_changes
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
@@ -22,7 +21,7 @@ PROFILE_NAME = "checkfreq-profile.json"
 
 
 class ProfileCache:
-    def __init__(self, store: CheckpointStore | ShardedStore, model: torch.nn.Module,
+    def __init__(self, store: CheckpointStore, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, *, compress: bool | None) -> None:
         self.store = store
         self.model = model

@@ -27,7 +27,7 @@ from typing import Any
 from ray_checkfreq.engine.persist import PERSIST_NICE, PersistError, PersistResult, PersistThread, Saved
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.engine.state import ChunkPlace
-from ray_checkfreq.storage.sharded_store import ChunkSource, CommitResult, ShardedStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource, CommitResult
 from ray_checkfreq.storage.tree import KeyPath, flatten_state
 
 SKELETON_FORMAT = 1
@@ -76,7 +76,7 @@ class ShardedPersistWorker(PersistThread):
     its part's data files; ``seconds`` on rank 0 runs until the global commit.
     """
 
-    def __init__(self, store: ShardedStore, *, rank: int, world_size: int, commit_wait_s: float,
+    def __init__(self, store: CheckpointStore, *, rank: int, world_size: int, commit_wait_s: float,
                  on_done: Callable[[PersistResult], None] | None = None, nice: int = PERSIST_NICE,
                  seal: Callable[[Snapshot], None] | None = None,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:

@@ -3,7 +3,7 @@
 Every rank calls ``load_rank_state`` (a collective: the adapter's ``apply`` is). It reads
 the skeleton of its own rank in the saved world (rank 0's when the saved world was
 smaller: the per-rank leaves of a rank that did not exist are rank 0's), then fetches in
-ONE ranged-read pass (``ShardedStore.load_chunks``) the box of every model and optimizer
+ONE ranged-read pass (``CheckpointStore.reader``) the box of every model and optimizer
 tensor this rank holds now, plus its per-rank leaves (RNG, extra and data state), fills
 model and optimizer in place, and returns the rest of the state.
 
@@ -26,7 +26,7 @@ from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.sharded_manifest import ShardedManifest
-from ray_checkfreq.storage.sharded_store import ShardedRef, ShardedStore
+from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
 from ray_checkfreq.storage.tree import SkeletonError, leaves_of, skeleton_leaf_refs, unflatten_state
 
 
@@ -39,22 +39,23 @@ class RankState:
     source_rank: int  # whose per-rank leaves ``state`` holds
 
 
-def find_ref(store: ShardedStore, step: int) -> ShardedRef:
-    """The newest complete checkpoint of ``step``."""
-    matches = [ref for ref in store.list() if ref.step == step]
+def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
+    """The newest complete sharded checkpoint of ``step``."""
+    matches = [ref for ref in store.list(placement="sharded") if ref.step == step]
     if not matches:
         raise CheckpointNotFoundError(f"no complete sharded checkpoint of step {step} in {store.uri}")
     return matches[-1]
 
 
-def load_rank_state(store: ShardedStore, ref: ShardedRef, adapter: StateAdapter, *, rank: int,
+def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAdapter, *, rank: int,
                     optimizer_class: str) -> RankState:
     """Fill model and optimizer from ``ref`` in place (every rank calls it) and return the
     rest of this rank's saved state; RestoreMismatchError names the first key that does
     not fit, CorruptCheckpointError a damaged skeleton."""
-    manifest = store.manifest(ref)
+    reader = store.reader(ref)
+    manifest = reader.manifest
     source = rank if rank < manifest.world_size else 0
-    tree, keys, per_rank = _skeleton(store.load_skeletons(ref, [source])[source], ref.uri)
+    tree, keys, per_rank = _skeleton(reader.skeletons([source])[source], ref.uri)
     targets = adapter.restore_targets()
     boxes = {chunk.name: chunk.box for chunk in targets}
     _check_targets(targets, manifest, set(keys) - per_rank)
@@ -62,7 +63,7 @@ def load_rank_state(store: ShardedStore, ref: ShardedRef, adapter: StateAdapter,
     for key in per_rank:
         whole = _tensor_of(manifest, key, ref.uri).global_shape
         wanted[key] = [Box((0,) * len(whole), tuple(whole))]
-    loaded = store.load_chunks(ref, wanted)
+    loaded = reader.load_boxes(wanted)
     state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
     saved_class = state.get("checkfreq", {}).get("optimizer_class")
     if saved_class != optimizer_class:
@@ -120,21 +121,23 @@ def _check_targets(targets: list[TensorChunk], manifest: ShardedManifest, saved_
         raise RestoreMismatchError(sorted(extra)[0], "in the checkpoint but not in the model or optimizer")
 
 
-def load_gathered(store: ShardedStore, step: int | None = None) -> dict[str, Any]:
+def load_gathered(store: CheckpointStore, step: int | None = None) -> dict[str, Any]:
     """The whole state of a sharded checkpoint in this process, as ``CheckpointStore.load``
     gives a replica's: every model and optimizer tensor gathered whole (ranged reads of its
     chunks), RNG, extra and data state as rank 0 saved them. It holds the whole state in
     memory: for inspection and single-process use, not for a restore (``load_sharded``)."""
-    ref = store.latest() if step is None else find_ref(store, step)
+    refs = store.list(placement="sharded")
+    ref = (refs[-1] if refs else None) if step is None else find_ref(store, step)
     if ref is None:
         raise CheckpointNotFoundError(f"no complete sharded checkpoint in {store.uri}")
-    manifest = store.manifest(ref)
-    tree, keys, _ = _skeleton(store.load_skeletons(ref, [0])[0], ref.uri)
+    reader = store.reader(ref)
+    manifest = reader.manifest
+    tree, keys, _ = _skeleton(reader.skeletons([0])[0], ref.uri)
     wanted: dict[str, list[Box]] = {}
     for key in dict.fromkeys(keys):
         shape = tuple(_tensor_of(manifest, key, ref.uri).global_shape)
         wanted[key] = [Box((0,) * len(shape), shape)]
-    loaded = store.load_chunks(ref, wanted)
+    loaded = reader.load_boxes(wanted)
     try:
         return unflatten_state(tree, [loaded[key][0] for key in keys])
     except SkeletonError as err:

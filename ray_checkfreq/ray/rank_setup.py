@@ -21,7 +21,6 @@ from ray_checkfreq.ray.metrics import CheckFreqMetrics
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.transfer import all_gather_json
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -102,7 +101,7 @@ def new_metrics(*, run: str, rank: int, node_id: str, every_s: float | None) -> 
 
 
 def new_registrar(*, config: RegistrationConfig | None, rank: int, group: Any,
-                  store: CheckpointStore | ShardedStore,
+                  store: CheckpointStore,
                   context: Any, run_filesystem: bool, overhead: float, stats: Callable[[], Mapping[str, Any]],
                   metrics: CheckFreqMetrics | None) -> Registrar | None:
     """Pointer checkpoints for Ray Train (None: never); protects the pointed steps from retention."""

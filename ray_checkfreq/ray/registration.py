@@ -34,7 +34,6 @@ from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.ray.transfer import broadcast_json
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.names import MAX_STEP
-from ray_checkfreq.storage.sharded_store import ShardedStore
 from ray_checkfreq.storage.stored_json import StoredJsonError, is_int, parse_stored_json
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -207,9 +206,8 @@ def load(checkpoint: Any, *, store: CheckpointStore | None = None) -> dict:
     pointer = read_pointer(filesystem, path)
     if store is None:
         store = CheckpointStore(pointer.store_uri, filesystem=filesystem if pointer.run_filesystem else None)
-    sharded = store.sharded_twin()  # a sharded (FSDP2) run's step is gathered whole here
-    if any(ref.step == pointer.step for ref in sharded.list()):
-        return load_gathered(sharded, pointer.step)
+    if any(ref.step == pointer.step for ref in store.list(placement="sharded")):
+        return load_gathered(store, pointer.step)  # a sharded (FSDP2) run's step, gathered whole here
     return store.load(pointer.step)
 
 
@@ -218,7 +216,7 @@ class Registrar:
     """One rank's side of registration; every rank calls ``after_step`` every iteration
     and ``close`` once (both are collectives at the iterations they act)."""
 
-    def __init__(self, *, rank: int, group: Any, store: CheckpointStore | ShardedStore, storage: Any,
+    def __init__(self, *, rank: int, group: Any, store: CheckpointStore, storage: Any,
                  run_filesystem: bool, overhead: float, config: RegistrationConfig, metrics: Callable[[], dict],
                  on_registered: Callable[[int], None] | None = None) -> None:
         self.rank = rank

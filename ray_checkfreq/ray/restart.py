@@ -26,7 +26,6 @@ from ray_checkfreq.ray.shard_copies import RankSource, choose_shard_sources, ram
 from ray_checkfreq.ray.slots import SLOT_COMPLETE
 from ray_checkfreq.ray.transfer import all_gather_json, broadcast_json, broadcast_state, unpack_state
 from ray_checkfreq.storage import CheckpointStore
-from ray_checkfreq.storage.sharded_store import ShardedStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -116,7 +115,7 @@ class RestartProtocol:
     restored_persist: Any = None  # rank 0: the agent's persist of a restored slot (not awaited)
     # A sharded (DTensor) state: every rank wrote its part of each step here (and may hold
     # its snapshots in slots of its own and peer copies: shard_copies.py).
-    parts: ShardedStore | None = None
+    sharded: bool = False
 
     def decide(self) -> Decided:
         """Rank 0 chooses, every rank gets its choice (a collective: a broadcast)."""
@@ -136,7 +135,7 @@ class RestartProtocol:
             iteration = 0
             info: dict = {"kind": "none", "step": 0, "seconds": 0.0}
         else:
-            if self.parts is not None:  # every rank reads its own pieces (collectives)
+            if self.sharded:  # every rank reads its own pieces (collectives)
                 iteration, kind = self._load_shards(choice, engine)
             else:
                 state, fell_back = self._load(choice)
@@ -153,8 +152,8 @@ class RestartProtocol:
         return Restored(iteration=iteration, info=info, committed_step=committed)
 
     def _choose(self) -> tuple[RestoreChoice, int]:
-        if self.parts is not None:
-            return self._choose_sharded(self.parts)
+        if self.sharded:
+            return self._choose_sharded()
         live = agents.live_agents(self.run)
         wait_for_persists(live, wait_s=self.wait_s, warn_every_s=self.warn_every_s)
         generation = self.store.acquire_writer()  # only now: a persist still running is fenced
@@ -164,18 +163,18 @@ class RestartProtocol:
                                reachable_nodes=set(self.nodes), prefer_node=self.node_id)
         return choice, generation
 
-    def _choose_sharded(self, parts: ShardedStore) -> tuple[RestoreChoice, int]:
+    def _choose_sharded(self) -> tuple[RestoreChoice, int]:
         """The newest step complete across all its parts, or newer in every rank's RAM copies
         (``shard_copies.choose_shard_sources``). The generation comes first: an old rank
         still writing is fenced from then on; then a step whose parts were all written but
         whose committer died is committed (salvage)."""
         generation = self.store.acquire_writer()
-        parts.adopt_generation(generation)
-        salvaged = parts.salvage()
+        salvaged = self.store.salvage()
         if salvaged is not None:
             logger.warning("restart: committed step %d, whose parts were all durable but not committed",
                            salvaged.step)
-        newest = parts.latest()
+        sharded = self.store.list(placement="sharded")
+        newest = sharded[-1] if sharded else None
         committed = newest.step if newest is not None else None
         slot_found, peer_found = ram_headers(agents.live_agents(self.run))
         in_ram = choose_shard_sources(committed_step=committed, slot_headers=slot_found, peer_headers=peer_found,

@@ -154,9 +154,7 @@ class CheckFreq:
         self.seed = seed
         self.run = run_key(context.get_experiment_name())
         self.store = store_for(storage, context)
-        # A sharded state's steps go to a ShardedStore beside the store's metadata (same generations).
         self.sharded = state_adapter(unwrap_model(model), optimizer).sharded
-        self.parts = self.store.sharded_twin() if self.sharded else None
         decision_group = new_gloo_group(self.world_size)  # the per-iteration broadcast only
         self._control_group = new_gloo_group(self.world_size)  # every other collective
         place = place_rank(rank=self.rank, world_size=self.world_size, group=self._control_group,
@@ -190,9 +188,9 @@ class CheckFreq:
         self._restart = RestartProtocol(rank=self.rank, world_size=self.world_size, run=self.run, node_id=self.node_id,
                                         nodes=self.nodes, store=self.store, group=self._control_group,
                                         wait_s=config.restart_wait_s, warn_every_s=config.restart_warn_every_s,
-                                        parts=self.parts)
+                                        sharded=self.sharded)
         self._registrar = new_registrar(config=config.registration, rank=self.rank, group=self._control_group,
-                                        store=self.parts if self.parts is not None else self.store,
+                                        store=self.store,
                                         context=context, run_filesystem=storage is None,
                                         overhead=_overhead_of(engine_options), stats=lambda: self.engine.stats(),
                                         metrics=self.metrics)
@@ -200,7 +198,7 @@ class CheckFreq:
                         if config.shared_policy and adapts(engine_options) else None)
         self._follower = PolicyFollower(self._policy) if self._policy is not None and self.rank == 0 else None
         self.engine = Engine(model=unwrap_model(model), optimizer=optimizer,
-                             storage=self.parts if self.parts is not None else self.store, data=data,
+                             storage=self.store, data=data,
                              extra_state=extra_state, seams=self._engine_seams(), **engine_options)
 
     def _engine_seams(self) -> EngineSeams:
@@ -252,8 +250,8 @@ class CheckFreq:
         """The restart protocol (``restart.py``); returns the iteration to resume at (0 on a fresh run)."""
         decided = self._restart.decide()  # collective: rank 0's choice, broadcast
         self.generation = decided.generation
-        if self.parts is not None:  # every rank writes its parts as the run's generation
-            self.parts.adopt_generation(decided.generation)
+        if self.sharded:  # every rank writes its parts as the run's generation
+            self.store.adopt_generation(decided.generation)
         if self._policy is not None:
             self._policy.generation = self.generation
         if self.rank == 0:
@@ -280,14 +278,14 @@ class CheckFreq:
 
     def _persisted(self, result: Any) -> None:
         """Rank 0: a persist committed (from the persist thread)."""
-        if self.parts is not None and self.rank != 0:
+        if self.sharded and self.rank != 0:
             return  # another rank's part is durable: only rank 0's reports a commit
-        if self.parts is not None and self.agent is not None and self.stale_ram_released is None:
+        if self.sharded and self.agent is not None and self.stale_ram_released is None:
             # This generation's first commit: no restart can choose an older generation's copies now.
             self.stale_ram_released = release_stale_copies(agents.live_agents(self.run),
                                                            generation=self._current_generation(),
                                                            rank_nodes=self.nodes)
-        if self.parts is not None and self._policy is not None:  # no agent reports it
+        if self.sharded and self._policy is not None:  # no agent reports it
             self._policy.persisted({"step": result.step, "seconds": result.seconds,
                                     "stored_bytes": result.stored_bytes, "node_id": self.node_id})
         if self._registrar is not None:

@@ -145,3 +145,19 @@ def settle_created(backend: Backend, name: str, expected: Mapping[str, int], dir
     if missing:
         backend.delete_file(manifest_path(name))
     return missing
+
+
+def discard(backend: Backend, name: str, generation: int) -> None:
+    """Remove what a failed one-writer save wrote, under an abandon record: a save that
+    failed after its commit (an answer lost on the way back) keeps its checkpoint. Where
+    the record cannot be written (a full disk) and no manifest is there, the directory is
+    this writer's alone (its name is new, and only this writer commits it): it goes as it is."""
+    try:
+        try:
+            remove_uncommitted(backend, name, generation)
+        except StorageError:
+            if MANIFEST_NAME in backend.list_files(name):
+                raise
+            backend.delete_dir(name)
+    except Exception as err:  # the next save retries; the failure that got us here matters more
+        logger.warning("could not remove partial checkpoint %s: %s", backend.uri(name), err)

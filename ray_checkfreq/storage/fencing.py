@@ -12,15 +12,19 @@ every checkpoint written before fencing existed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from ray_checkfreq.errors import FencedWriterError, StorageError
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.names import MAX_GENERATION, marker_name, parse_marker
+
+logger = logging.getLogger("ray_checkfreq.storage")
 
 WRITERS_DIR = "writers"
 _ACQUIRE_ATTEMPTS = 50
@@ -79,3 +83,56 @@ def raise_if_fenced(err: BaseException, check_fence: Callable[[], None]) -> None
         raise fenced from err
     except Exception:
         return
+
+
+def check_fence(backend: Backend, generation: int, newest: int | None = None) -> None:
+    """Raise FencedWriterError if a generation newer than ``generation`` was taken.
+    ``newest``: the newest generation a listing made anyway showed (a cheap early check;
+    the check right before a commit reads the markers)."""
+    newest = newest_marker(backend) if newest is None else newest
+    if newest > generation:
+        raise FencedWriterError(backend.root_uri, generation, newest)
+
+
+class WriterSlot:
+    """One store's writer generation: none until taken (``take``), handed over at
+    construction, or adopted from the writer of the same run that took it."""
+
+    def __init__(self, backend: Backend, generation: int | None) -> None:
+        self._backend = backend
+        self.generation = checked_generation(generation, "writer_generation")
+        self._confirmed = False  # its marker was seen (a handed-over number may be forged)
+
+    def take(self, newest_in_use: int) -> int:
+        """This writer's generation, taking one newer than ``newest_in_use`` and every
+        marker when it has none; a handed-over one must have its marker."""
+        if self.generation is None:
+            self.generation = acquire_generation(self._backend, newest_in_use)
+            logger.info("%s: writer generation %d taken", self._backend.root_uri, self.generation)
+        elif not self._confirmed and not has_marker(self._backend, self.generation):
+            raise StorageError(self._backend.uri(marker_path(self.generation)),
+                               f"writer generation {self.generation} was never taken on this URI (see acquire_writer)")
+        self._confirmed = True
+        return self.generation
+
+    def adopt(self, generation: int) -> None:
+        """Write as ``generation`` (idempotent); ValueError for another one than held."""
+        generation = checked_generation(generation, "generation")
+        if self.generation is not None and self.generation != generation:
+            raise ValueError(f"{self._backend.root_uri}: this store writes as generation {self.generation}, "
+                             f"cannot adopt generation {generation}")
+        self.generation = generation
+
+    def require(self) -> int:
+        if self.generation is None:
+            raise StorageError(self._backend.root_uri, "this store has no writer generation (acquire_writer, or "
+                               "writer_generation=g handed over from the one that took it)")
+        return self.generation
+
+
+def checked_generation(generation: Any, what: str) -> Any:
+    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
+                                   or not 1 <= generation <= MAX_GENERATION):
+        raise ValueError(f"{what}={generation!r}: must be an int from 1 to {MAX_GENERATION} "
+                         "(from acquire_writer) or None")
+    return generation

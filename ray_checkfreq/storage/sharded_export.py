@@ -44,45 +44,38 @@ from ray_checkfreq.storage.history import trim_leaf
 from ray_checkfreq.storage.names import parse_checkpoint_dir
 from ray_checkfreq.storage.sharded_load import BoxReader, full_box
 from ray_checkfreq.storage.sharded_manifest import PART_MANIFEST, ChunkRecord, ShardedManifest, TensorIndex
-from ray_checkfreq.storage.sharded_store import ShardedRef, ShardedStore
-from ray_checkfreq.storage.store import CheckpointStore
+from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
 
 SKELETON_FQN = "__ray_checkfreq__.skeleton.{rank}"
 DCP_METADATA = ".metadata"
 
 
 # ------------------------------------------------------------------ which checkpoint
-def find_sharded(sharded: ShardedStore, plain: CheckpointStore, step: int | None, *,
-                 replicated: bool = False) -> ShardedRef | None:
-    """The sharded checkpoint to export, or None when the one asked for is a replicated one
-    (format 1/2, or format 4 of ``CheckpointStore.save``, unless ``replicated``).
+def find_parted(store: CheckpointStore, step: int | None, *, replicated: bool = False) -> CheckpointRef | None:
+    """The checkpoint to export by parts (a sharded one, or with ``replicated`` any of
+    format 3 and later), or None when the one asked for is exported as its state (a
+    replicated one).
 
-    With ``step``: its newest complete sharded checkpoint; an incomplete one (part
-    manifests but no commit, or a file missing) is an error naming the store and step.
-    Without: the newest complete sharded checkpoint if it is newer than every replicated one.
+    With ``step``: its newest complete checkpoint; an incomplete one (part manifests but
+    no commit, or a file missing) is an error naming the store and step. Without: the
+    newest complete checkpoint, if it is one of those.
     """
-    refs = sharded.list(replicated=replicated)
-    if step is None:
-        if not refs:
-            return None
-        plain_refs = [ref for ref, _, _ in plain.scan() if ref is not None]
-        if plain_refs and (plain_refs[-1].writer_generation, plain_refs[-1].step) > \
-                (refs[-1].writer_generation, refs[-1].step):
-            return None
-        return refs[-1]
-    matches = [r for r in refs if r.step == step]
-    if matches:
-        return matches[-1]
-    if not replicated and any(r.step == step for r in sharded.list(replicated=True)):
-        return None  # a replicated checkpoint of format 4: exported as its state
-    if _has_parts(sharded, step):
-        raise CheckpointNotFoundError(f"{sharded.uri}: the sharded checkpoint of step {step} is incomplete "
-                                      "(not committed, or a part or data file is missing or damaged)")
+    refs = store.list()
+    if step is not None:
+        refs = [r for r in refs if r.step == step]
+        if not refs and _has_parts(store, step):
+            raise CheckpointNotFoundError(f"{store.uri}: the checkpoint of step {step} is incomplete "
+                                          "(not committed, or a part or data file is missing or damaged)")
+    if not refs:
+        return None
+    ref = refs[-1]
+    if ref.placement == "sharded" or (replicated and ref.format_version >= 3):
+        return ref
     return None
 
 
-def _has_parts(sharded: ShardedStore, step: int) -> bool:
-    for name, files in sharded.backend.list_tree().items():
+def _has_parts(store: CheckpointStore, step: int) -> bool:
+    for name, files in store.backend.list_tree().items():
         parsed = parse_checkpoint_dir(name)
         if parsed is not None and parsed[0] == step and any(PART_MANIFEST.match(f) for f in files):
             return True
@@ -108,18 +101,18 @@ def dcp_fqn(key: str) -> str:
     return ".".join(urllib.parse.unquote(part) for part in key.split("/"))
 
 
-def export_dcp(store: ShardedStore, ref: ShardedRef, out_dir: str) -> str:
+def export_dcp(store: CheckpointStore, ref: CheckpointRef, out_dir: str) -> str:
     """Write checkpoint ``ref`` as a DCP directory ``out_dir`` (new, or empty)."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     _prepare_out_dir(out_dir)
-    manifest = store.manifest(ref)
     reader = store.reader(ref)
+    manifest = reader.manifest
     state_md, storage_data = _dcp_tensor_metadata(manifest)
     for rank, chunks in _chunks_by_rank(manifest).items():
         storage_data.update(_write_rank_file(reader, out_dir, rank, chunks))
-    _write_skeletons(store, ref, manifest, out_dir, state_md, storage_data)
+    _write_skeletons(reader, out_dir, state_md, storage_data)
     metadata = Metadata(state_dict_metadata=state_md, storage_data=storage_data, version=CURRENT_DCP_VERSION,
                         storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=uuid.uuid4().hex))
     _write_pickled_metadata(out_dir, metadata)
@@ -180,16 +173,15 @@ def _write_rank_file(reader: BoxReader, out_dir: str, rank: int,
     return storage
 
 
-def _write_skeletons(store: ShardedStore, ref: ShardedRef, manifest: ShardedManifest, out_dir: str,
-                     state_md: dict[str, Any], storage_data: dict[Any, Any]) -> None:
+def _write_skeletons(reader: BoxReader, out_dir: str, state_md: dict[str, Any], storage_data: dict[Any, Any]) -> None:
     """One bytes entry per rank: its skeleton's JSON text (``torch.save`` of a str)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     relative = "__skeletons_0.distcp"
     with open(os.path.join(out_dir, relative), "wb") as f:
-        for part in manifest.parts:
-            for rank, skeleton in sorted(store.load_skeletons(ref, part.ranks).items()):
+        for part in reader.manifest.parts:
+            for rank, skeleton in sorted(reader.skeletons(part.ranks).items()):
                 fqn = SKELETON_FQN.format(rank=rank)
                 if fqn in state_md:
                     raise ValueError(f"a tensor's DCP name {fqn!r} is the one of rank {rank}'s skeleton")
@@ -218,12 +210,12 @@ def _durable(f: Any) -> None:
 
 
 # ------------------------------------------------------------------ gathered
-def export_gathered(store: ShardedStore, ref: ShardedRef, target: str, *, precision_factor: int | float | None = None,
-                    precision_bits: int | None = None) -> str:
+def export_gathered(store: CheckpointStore, ref: CheckpointRef, target: str, *,
+                    precision_factor: int | float | None = None, precision_bits: int | None = None) -> str:
     """Write checkpoint ``ref`` with each tensor gathered whole, to .safetensors or .pt."""
     trim = {"precision_factor": precision_factor, "precision_bits": precision_bits}
-    manifest = store.manifest(ref)
     reader = store.reader(ref)
+    manifest = reader.manifest
     tensors = _gathered(reader, manifest, trim)
     if target.endswith(".pt"):
         torch.save(dict(tensors), target)
@@ -233,7 +225,7 @@ def export_gathered(store: ShardedStore, ref: ShardedRef, target: str, *, precis
                                 _nbytes(t)) for t in manifest.tensors]
     setting = {f"ray_checkfreq.{k}": str(int(v)) for k, v in trim.items() if v is not None}
     metadata = {"step": str(ref.step), "ray_checkfreq.format": "sharded", **setting,
-                "ray_checkfreq.skeletons": json.dumps(store.load_skeletons(ref), sort_keys=True)}
+                "ray_checkfreq.skeletons": json.dumps(reader.skeletons(), sort_keys=True)}
     write_safetensors_stream(target, entries, (leaf_bytes(t) for _, t in tensors), metadata=metadata)
     return target
 
@@ -251,7 +243,7 @@ def _nbytes(tensor: TensorIndex) -> int:
     return math.prod(tensor.global_shape) * export_torch_dtype(tensor).itemsize
 
 
-def export_store(plain: CheckpointStore, sharded: ShardedStore, step: int | None, target: str, *,
+def export_store(store: CheckpointStore, step: int | None, target: str, *,
                  fmt: str | None = None, precision_factor: int | float | None = None,
                  precision_bits: int | None = None) -> str:
     """Export checkpoint ``step`` (None: the newest) of the root both stores open, in the
@@ -269,27 +261,27 @@ def export_store(plain: CheckpointStore, sharded: ShardedStore, step: int | None
         if fmt == "dcp":
             raise ValueError("--format dcp: near-lossless trimming (--precision-*) is for .safetensors / .pt only")
         codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
-    ref = find_sharded(sharded, plain, step, replicated=fmt == "dcp")
+    ref = find_parted(store, step, replicated=fmt == "dcp")
     if ref is not None:
-        return export_sharded(sharded, ref, target, fmt=fmt, precision_factor=precision_factor,
+        return export_sharded(store, ref, target, fmt=fmt, precision_factor=precision_factor,
                               precision_bits=precision_bits)
     if fmt == "dcp":
         what = "the newest checkpoint" if step is None else f"step {step}"
-        raise ValueError(f"{plain.uri}: {what} is a format 1 or 2 checkpoint; --format dcp exports "
+        raise ValueError(f"{store.uri}: {what} is a format 1 or 2 checkpoint; --format dcp exports "
                          "checkpoints of format 3 and later")
-    return export_checkpoint(plain, step, target, precision_factor=precision_factor, precision_bits=precision_bits)
+    return export_checkpoint(store, step, target, precision_factor=precision_factor, precision_bits=precision_bits)
 
 
-def export_sharded(sharded: ShardedStore, ref: ShardedRef, target: str, *, fmt: str,
+def export_sharded(store: CheckpointStore, ref: CheckpointRef, target: str, *, fmt: str,
                    precision_factor: int | float | None = None, precision_bits: int | None = None) -> str:
     """``fmt``: "dcp" (``target`` a directory), "safetensors" or "pt"."""
     if fmt == "dcp":
         if precision_factor is not None or precision_bits is not None:
             raise ValueError("--format dcp: near-lossless trimming (--precision-*) is for .safetensors / .pt only")
-        return export_dcp(sharded, ref, target)
+        return export_dcp(store, ref, target)
     if precision_factor is not None or precision_bits is not None:  # refused before anything is read
         codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
-    return export_gathered(sharded, ref, target, precision_factor=precision_factor, precision_bits=precision_bits)
+    return export_gathered(store, ref, target, precision_factor=precision_factor, precision_bits=precision_bits)
 
 
-__all__ = ["dcp_fqn", "export_dcp", "export_gathered", "export_sharded", "export_store", "find_sharded"]
+__all__ = ["dcp_fqn", "export_dcp", "export_gathered", "export_sharded", "export_store", "find_parted"]

@@ -14,7 +14,7 @@ A target element no saved chunk covers is an error, never left uninitialised.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,17 @@ from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, CopyStep, byte_span, fill, plan_copies, span_view
 from ray_checkfreq.storage.encoding import LeafDecodeError, decode_leaf
+from ray_checkfreq.storage.manifest import ManifestError
 from ray_checkfreq.storage.parallel import map_on_threads
-from ray_checkfreq.storage.sharded_manifest import ChunkRecord, ShardedManifest, TensorIndex
+from ray_checkfreq.storage.sharded_manifest import (
+    ChunkRecord,
+    PartEntry,
+    PartManifest,
+    ShardedManifest,
+    TensorIndex,
+    decode_part,
+    replicated_skeleton,
+)
 
 
 class BoxReader:
@@ -126,6 +135,45 @@ class BoxReader:
                                threads=self.codec_threads)
         except LeafDecodeError as err:
             raise CorruptCheckpointError(self._file_uri(chunk), f"tensor {chunk.key!r}: {err}") from None
+
+    def skeletons(self, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        """The non-tensor state of ``ranks`` (all when None), each part checked against the
+        size and CRC32 the global manifest records for it."""
+        wanted = set(range(self.manifest.world_size)) if ranks is None else set(ranks)
+        out: dict[int, Any] = {}
+        for entry in self.manifest.parts:
+            if wanted & set(entry.ranks):
+                part = self._part(entry)
+                out.update({r: part.skeletons[r] for r in part.ranks if r in wanted})
+        unknown = wanted - set(out)
+        if unknown:
+            raise KeyError(f"{self.backend.uri(self.dir_name)}: ranks {sorted(unknown)} are not in a world of "
+                           f"{self.manifest.world_size}")
+        return out
+
+    def whole_state(self) -> tuple[Any, list[str], list[ChunkRecord]]:
+        """The state skeleton, leaf keys and whole chunks of a replicated checkpoint, its one
+        part checked against what the global manifest records (``replicated_skeleton``)."""
+        (entry,) = self.manifest.parts
+        try:
+            skeleton, keys = replicated_skeleton(self._part(entry), self.manifest)
+        except ManifestError as err:
+            raise CorruptCheckpointError(self.backend.uri(f"{self.dir_name}/{entry.name}"), str(err)) from None
+        return skeleton, keys, [self.manifest.tensor(key).chunks[0] for key in keys]  # type: ignore[union-attr]
+
+    def _part(self, entry: PartEntry) -> PartManifest:
+        path = f"{self.dir_name}/{entry.name}"
+        try:
+            data = self.backend.read_small(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self.backend.uri(path), "part manifest is missing") from None
+        if len(data) != entry.size_bytes or crc32(data) != entry.crc32:
+            raise CorruptCheckpointError(self.backend.uri(path), "part manifest differs from what the global "
+                                         "manifest records")
+        try:
+            return decode_part(data, name=entry.name)
+        except ManifestError as err:
+            raise CorruptCheckpointError(self.backend.uri(path), str(err)) from None
 
     def _base_leaf(self, chunk: ChunkRecord) -> Any:
         """The full chunk a delta chunk refers to: same key, box and rank, in its part's base."""

@@ -172,6 +172,7 @@ class ShardedManifest:
     parts: tuple[PartEntry, ...]
     tensors: tuple[TensorIndex, ...]
     attributes: CheckpointAttributes = field(default_factory=lambda: CheckpointAttributes())
+    format_version: int = FORMAT_VERSION_SHARDED  # as read (3: written before deltas)
 
     @property
     def meta(self) -> Mapping[str, Any]:
@@ -348,7 +349,7 @@ def _decode_global(data: bytes) -> ShardedManifest:
     manifest = ShardedManifest(step=_int(body, "step", MAX_STEP), writer_generation=_generation(body),
                                world_size=world_size, epoch_boundary=_field(body, "epoch_boundary", bool),
                                created_unix_ns=_int(body, "created_unix_ns"), parts=parts, tensors=tensors,
-                               attributes=_attributes(body))
+                               attributes=_attributes(body), format_version=body["format_version"])
     _check_global(manifest)
     return manifest
 

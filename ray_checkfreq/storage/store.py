@@ -1,51 +1,43 @@
-"""CheckpointStore: the one way ray_checkfreq reads and writes checkpoints.
+"""CheckpointStore: the one way ray_checkfreq reads and writes checkpoints, of every placement.
 
 Layout under the root URI: one directory per checkpoint,
-``step-<12 digits>-g<writer generation>-<8 hex>``, holding shard files and
-``manifest.json``; ``writers/`` holds one marker per writer generation (see ``fencing``).
-Commit protocol (invariants; the rules every directory follows are ``commit.py``'s):
+``step-<12 digits>-g<writer generation>-<8 hex>``, holding one part per writer (data files
+``part-r<first rank>-<token>-<n>.bin``, then the part manifest ``part-r<first rank>.json``)
+and, once committed, the global ``manifest.json``; ``writers/`` holds one marker per writer
+generation (``fencing``). A replicated save (``save``) is one part of whole tensors in a
+directory of its own; a sharded step is one part per writer (``save_part``) in the
+directory every writer of a generation names alike (``dir_name``), committed by
+``try_commit``. Format: ``sharded_manifest``; formats 1-2 are read by ``legacy``.
 
-1. Shards are new files in a new directory (a random suffix, so a re-saved step never
-   touches the files of an earlier save of that step).
-2. The manifest is written last, after every shard is durable, with an exclusive create;
-   a directory without a manifest is not a checkpoint. A created manifest is final
-   (``commit.settle_created`` names the one exception: a newer writer emptied the
-   directory before it appeared).
-3. Writer fencing. A store that saves holds a writer generation, newer than every one
-   taken before on its URI (taken at its first save or by ``acquire_writer``; reading
-   never takes one). A save checks for a newer generation before writing and again
-   right before the commit, and raises ``FencedWriterError`` (committing nothing) when
-   there is one.
-4. Checkpoints are ordered by (writer generation, step, commit time, name): a stale
+Invariants (docs/format.md):
+1. The rules of every directory are ``commit.py``'s, the commit ``committer.py``'s, a part's
+   ``part_writer.py``'s, and what a commit removes ``housekeeping.py``'s.
+2. Writer fencing. A store that saves holds a writer generation, newer than every one
+   taken before on its URI (taken at its first ``save`` or by ``acquire_writer``, handed
+   over with ``writer_generation=`` or ``adopt_generation``; reading never takes one). A
+   save checks for a newer generation before writing and again right before the commit,
+   and raises ``FencedWriterError`` (committing nothing, withdrawing its parts).
+3. Checkpoints are ordered by (writer generation, step, commit time, name): a stale
    writer's commit that slips through the window between check and commit still sorts
    below every checkpoint of the newer writer, so it never becomes the latest over them.
-5. Housekeeping never touches a newer writer's checkpoints or in-flight directories. It
-   removes in-flight directories of its own or older generations under an abandon record
-   (``commit.claim``): an older writer that passed its last check before this one took
-   its generation either commits first (and its directory stays) or finds the record.
-6. Retention runs only after the new manifest is durable, deletes a checkpoint's
-   manifest before its shards (an interrupted delete leaves an uncommitted directory,
-   never a committed one with holes), stops counting at ``keep_last`` checkpoints whose
-   shards are all present at their recorded sizes, and never deletes the checkpoint just
-   saved nor the newest one this store object verified (read in full) or wrote.
-7. ``protected_steps`` (a picklable callable returning step numbers) names steps that
+4. ``protected_steps`` (a picklable callable returning step numbers) names steps that
    something outside the store still points at (a Ray Train pointer checkpoint, say):
-   retention keeps every checkpoint of those steps. It is asked at each retention, so a
-   pointer that went away stops protecting; if it raises, retention deletes nothing.
-8. With ``history_trim``, retention rewrites history checkpoints near-lossless (see
-   ``history``): the copy commits before its source is deleted; copies never count among
-   the newest ``keep_last`` and are never what ``latest()`` or ``load()`` returns.
+   retention keeps every checkpoint of those steps. It is asked at each retention; if it
+   raises, retention deletes nothing.
+5. With ``history_trim``, retention rewrites history checkpoints near-lossless; copies never
+   count among the newest ``keep_last`` and are never what ``latest()`` or ``load()`` returns.
 """
 
 from __future__ import annotations
 
 import builtins
+import hashlib
+import json
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ray_checkfreq.errors import (
@@ -56,39 +48,29 @@ from ray_checkfreq.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from ray_checkfreq.storage import commit, fencing, legacy, metadata_docs
+from ray_checkfreq.storage import commit, committer, fencing, legacy, metadata_docs
 from ray_checkfreq.storage.backends import S3Options, open_backend
 from ray_checkfreq.storage.backends.base import Backend
-from ray_checkfreq.storage.checksum import crc32
-from ray_checkfreq.storage.chunks import Box, whole
-from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf
+from ray_checkfreq.storage.catalog import Catalog, CheckpointRef, CommitResult, damage
+from ray_checkfreq.storage.encoding import EncodeOptions
 from ray_checkfreq.storage.history import HistoryTrim
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
-from ray_checkfreq.storage.names import MAX_GENERATION, MAX_STEP, checkpoint_dir_name, parse_checkpoint_dir
-from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, write_part_files
-from ray_checkfreq.storage.retention import StoredEntry, plan_retention, protected_steps_now, removable
+from ray_checkfreq.storage.housekeeping import Housekeeper, Keep
+from ray_checkfreq.storage.manifest import Manifest
+from ray_checkfreq.storage.names import MAX_STEP, checkpoint_dir_name
+from ray_checkfreq.storage.part_files import ChunkSource, PartLayout
+from ray_checkfreq.storage.part_writer import PartContent, PartWriter, part_content
+from ray_checkfreq.storage.retention import StoredEntry, protected_steps_now
 from ray_checkfreq.storage.sharded_load import BoxReader
-from ray_checkfreq.storage.sharded_manifest import (
-    CheckpointAttributes,
-    ChunkRecord,
-    PartManifest,
-    ShardedManifest,
-    decode_any_manifest,
-    decode_part,
-    encode_global,
-    encode_part,
-    merge_parts,
-    replicated_skeleton,
-)
-from ray_checkfreq.storage.sharded_store import ShardedStore
+from ray_checkfreq.storage.sharded_manifest import MAX_CRC_BLOCK, MIN_CRC_BLOCK, CheckpointAttributes, PartManifest
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
+
+__all__ = ["CheckpointRef", "CheckpointStore", "ChunkSource", "CommitResult", "StoreConfig"]
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
 MiB = 1024 * 1024
 MAX_METADATA_BYTES = 16 * MiB
-CRC_BLOCK_BYTES = 1 * MiB  # a ranged read of a replicated checkpoint checks blocks of this size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +82,7 @@ class StoreConfig:
     keep_epoch_boundaries: bool = True
     """Also keep every epoch-boundary checkpoint."""
     shard_size_bytes: int = 64 * MiB
-    """Bytes per shard file."""
+    """Bytes per data file of a part."""
     io_threads: int = 4
     """Parallel shard writes and reads (a local filesystem writes one shard at a time: parallel writes there cost CPU
     and gain nothing)."""
@@ -117,6 +99,8 @@ class StoreConfig:
     direct_io: bool = True  # local stores: large shards around the page cache (backends/direct.py)
     """Local stores: shards of 1 MiB and more written around the page cache (``O_DIRECT``) where the filesystem takes
     it; False: buffered writes (e.g. a network filesystem where direct writes are slow)."""
+    crc_block_bytes: int = 1 * MiB
+    """A ranged read checks whole blocks of this size (a power of two)."""
 
     def __post_init__(self) -> None:
         if self.history_trim is not None and not isinstance(self.history_trim, HistoryTrim):
@@ -134,49 +118,24 @@ class StoreConfig:
             raise ValueError(f"direct_io={self.direct_io!r}: must be True or False")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"io_threads={self.io_threads!r}: must be an int >= 1")
+        block = self.crc_block_bytes
+        if isinstance(block, bool) or not isinstance(block, int) or not MIN_CRC_BLOCK <= block <= MAX_CRC_BLOCK \
+                or block & (block - 1):
+            raise ValueError(f"crc_block_bytes={block!r}: must be a power of two from {MIN_CRC_BLOCK} "
+                             f"to {MAX_CRC_BLOCK}")
+        if not isinstance(self.keep_epoch_boundaries, bool):
+            raise ValueError(f"keep_epoch_boundaries={self.keep_epoch_boundaries!r}: must be True or False")
 
 
-@dataclass(frozen=True)
-class CheckpointRef:
-    """A committed checkpoint: what ``list()`` and ``latest()`` return."""
-
-    step: int
-    uri: str
-    epoch_boundary: bool
-    meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    name: str = ""
-    created_unix_ns: int = 0
-    size_bytes: int = 0
-    writer_generation: int = 0  # 0: written before writer fencing
-    trimmed: bool = False  # a near-lossless history copy (history.py): never picked by latest()
-
-
-@dataclass
-class _DeltaBase:
-    """The newest full checkpoint written by this store object, kept for deltas."""
-
-    name: str
-    chunks: dict[tuple[str, Box, int], Any]  # (key, whole box, rank 0) -> a private copy
-    saves_since: int = 0
-
-
-@dataclass
-class _Loaded:
-    """A replicated checkpoint read back: its skeleton, and its leaves in skeleton order."""
-
-    skeleton: Any
-    keys: builtins.list[str]
-    leaves: builtins.list[Any]
 
 
 class CheckpointStore:
     """Crash-consistent checkpoints under one URI (path, ``file://``, ``s3://``, pyarrow.fs).
 
-    One writer at a time: a store that saves takes a writer generation (see the module
-    docstring), and a save from a store whose generation a newer writer has superseded
-    raises ``FencedWriterError``. Any number may read. ``writer_generation`` adopts a
-    generation taken by ``acquire_writer`` elsewhere (one writer, handed over); a pickled
-    store is a new writer and takes its own.
+    One writer generation at a time (see the module docstring): a replicated run's one
+    writer, or every writer of a sharded run (the node agents), which share the generation
+    taken once and handed over. Any number may read. A pickled store is a new writer and
+    takes its own generation.
     """
 
     def __init__(
@@ -193,6 +152,7 @@ class CheckpointStore:
         full_every: int = 8,
         history_trim: HistoryTrim | None = None,
         direct_io: bool = True,
+        crc_block_bytes: int = 1 * MiB,
         filesystem: Any = None,
         s3: S3Options | None = None,
         writer_generation: int | None = None,
@@ -201,25 +161,22 @@ class CheckpointStore:
         if protected_steps is not None and not callable(protected_steps):
             raise TypeError(f"protected_steps={protected_steps!r}: expected a callable returning step numbers")
         self.protected_steps = protected_steps
-        self.config = StoreConfig(
-            keep_last=keep_last,
-            keep_epoch_boundaries=keep_epoch_boundaries,
-            shard_size_bytes=shard_size_bytes,
-            io_threads=io_threads,
-            codec=codec,
-            codec_level=codec_level,
-            codec_threads=codec_threads,
-            full_every=full_every,
-            history_trim=history_trim,
-            direct_io=direct_io,
-        )
+        self.config = config = StoreConfig(
+            keep_last=keep_last, keep_epoch_boundaries=keep_epoch_boundaries, shard_size_bytes=shard_size_bytes,
+            io_threads=io_threads, codec=codec, codec_level=codec_level, codec_threads=codec_threads,
+            full_every=full_every, history_trim=history_trim, direct_io=direct_io, crc_block_bytes=crc_block_bytes)
         self._init_args = (uri, filesystem, s3)
         self.backend: Backend = open_backend(uri, filesystem=filesystem, s3=s3, direct_io=direct_io)
         self.uri = self.backend.root_uri
         self._lock = threading.Lock()
-        self._base: _DeltaBase | None = None
-        self._generation = _checked_generation(writer_generation)
-        self._generation_confirmed = False
+        self._slot = fencing.WriterSlot(self.backend, writer_generation)
+        self._catalog = Catalog(self.backend)
+        layout = PartLayout(file_bytes=shard_size_bytes, crc_block_bytes=crc_block_bytes,
+                            threads=min(io_threads, self.backend.max_parallel_writes or io_threads))
+        self._writer = PartWriter(self.backend, layout, full_every)
+        self._housekeeper = Housekeeper(self._catalog, self._writer, Keep(
+            keep_last=keep_last, keep_epoch_boundaries=keep_epoch_boundaries, history_trim=history_trim,
+            codec_level=codec_level, codec_threads=config.codec_threads, io_threads=io_threads))
         self._verified: set[str] = set()  # checkpoints this object wrote or read in full
 
     def __reduce__(self) -> tuple:
@@ -236,17 +193,32 @@ class CheckpointStore:
         return CheckpointStore(uri, **vars(self.config), filesystem=filesystem, s3=s3, writer_generation=generation,
                                protected_steps=self.protected_steps)
 
-    def sharded_twin(self) -> ShardedStore:
-        """A ``ShardedStore`` on this store's URI, filesystem and S3 options, with its codec
-        and retention: where a sharded (DTensor) state's checkpoints go, beside this store's
-        metadata documents and under the same writer generations."""
-        uri, filesystem, s3 = self._init_args
-        config = self.config
-        return ShardedStore(uri, filesystem=filesystem, s3=s3, direct_io=config.direct_io,
-                            protected_steps=self.protected_steps, codec=config.codec, codec_level=config.codec_level,
-                            codec_threads=config.codec_threads, io_threads=config.io_threads,
-                            keep_last=config.keep_last, keep_epoch_boundaries=config.keep_epoch_boundaries,
-                            full_every=config.full_every)
+    # ------------------------------------------------------------ writer generations
+    @property
+    def writer_generation(self) -> int | None:
+        """This store's writer generation; None until it saves or calls ``acquire_writer``."""
+        return self._slot.generation
+
+    def acquire_writer(self) -> int:
+        """Take a writer generation now, fencing every older writer on this URI; returns it.
+
+        A store that already holds one keeps it. ``save`` calls this first when needed.
+        """
+        with self._lock:
+            return self._slot.take(max((e.generation for e in self._catalog.scan(read_manifests=False)), default=0))
+
+    def adopt_generation(self, generation: int) -> None:
+        """Write as ``generation``, taken by another writer of this run (rank 0 hands it
+        over). Idempotent for the same generation; ValueError for a different one than
+        this store already writes as."""
+        with self._lock:
+            self._slot.adopt(generation)
+
+    def dir_name(self, step: int, generation: int | None = None) -> str:
+        """The directory every writer of ``generation`` (this store's) uses for sharded ``step``."""
+        generation = self._slot.require() if generation is None else generation
+        suffix = hashlib.blake2b(f"{generation}:{step}".encode(), digest_size=4).hexdigest()
+        return checkpoint_dir_name(step, generation, suffix)
 
     # ------------------------------------------------------------------ writing
     def save(
@@ -260,7 +232,8 @@ class CheckpointStore:
         codec_level: int | None = None,
         raw_crc32: Sequence[int | None] | None = None,
     ) -> CheckpointRef:
-        """Write ``state`` as the checkpoint of ``step``; returns once it is committed.
+        """Write ``state`` (the whole state, one replica's) as the checkpoint of ``step``;
+        returns once it is committed.
 
         ``codec`` / ``codec_level`` override the store's defaults for this save only
         (the engine's policy turns compression off where it does not pay). ``raw_crc32``:
@@ -268,7 +241,7 @@ class CheckpointStore:
         made (a Ray slot's seal; None: computed here); the store keeps them as they are.
         """
         _check_step(step)
-        meta = _checked_meta(meta)
+        attributes = CheckpointAttributes(placement="replicated", meta=_checked_meta(meta))
         options = EncodeOptions(
             codec=codec or self.config.codec,
             level=codec_level if codec_level is not None else self.config.codec_level,
@@ -277,315 +250,120 @@ class CheckpointStore:
         flat = flatten_state(state)  # refuses bad state before any I/O
         if raw_crc32 is not None and len(raw_crc32) != len(flat.leaves):
             raise ValueError(f"raw_crc32 has {len(raw_crc32)} checksums for {len(flat.leaves)} leaves")
-        known_crcs = list(raw_crc32) if raw_crc32 is not None else None
-        with self._lock:
-            entries = self._scan(read_manifests=False)
-            generation = self._writer(entries)
-            self._check_fence(entries)
-            self._delete_leftovers(entries)
-            name = checkpoint_dir_name(step, generation, uuid.uuid4().hex[:8])
-            base = self._usable_base(options)
-            try:
-                manifest = self._write_checkpoint(name, step, flat, epoch_boundary, meta, options, base,
-                                                  known_crcs=known_crcs)
-            except BaseException as err:
-                self._discard(name)
-                self._raise_if_fenced(err)
-                raise
-            self._remember_base(name, manifest, flat, options)
-            if known_crcs is None:  # checksummed here: known good (given ones are checked at the load)
-                self._verified.add(name)
-            self._apply_retention(just_saved=name)
-        return self._ref(name, manifest)
-
-    # ------------------------------------------------------------ writer fencing
-    @property
-    def writer_generation(self) -> int | None:
-        """This store's writer generation; None until it saves or calls ``acquire_writer``."""
-        return self._generation
-
-    def acquire_writer(self) -> int:
-        """Take a writer generation now, fencing every older writer on this URI; returns it.
-
-        A store that already holds one keeps it. ``save`` calls this first when needed.
-        """
-        with self._lock:
-            return self._writer(self._scan(read_manifests=False))
-
-    def _writer(self, entries: builtins.list[StoredEntry]) -> int:
-        if self._generation is None:
-            in_use = max((e.generation for e in entries), default=0)
-            self._generation = fencing.acquire_generation(self.backend, in_use)
-            logger.info("%s: writer generation %d taken", self.uri, self._generation)
-        elif not self._generation_confirmed and not fencing.has_marker(self.backend, self._generation):
-            raise StorageError(
-                self.backend.uri(fencing.marker_path(self._generation)),
-                f"writer generation {self._generation} was never taken on this URI (see acquire_writer)",
-            )
-        self._generation_confirmed = True
-        return self._generation
-
-    def _check_fence(self, entries: builtins.list[StoredEntry] | None = None) -> None:
-        """Raise FencedWriterError if a newer writer has taken this URI.
-
-        With ``entries`` (a scan made anyway) it looks only at their directory names: a
-        cheap early check; the one right before the commit reads the markers.
-        """
-        assert self._generation is not None
-        if entries is None:
-            newest = fencing.newest_marker(self.backend)
-        else:
-            newest = max((e.generation for e in entries), default=0)
-        if newest > self._generation:
-            raise FencedWriterError(self.uri, self._generation, newest)
-
-    def _raise_if_fenced(self, err: BaseException) -> None:
-        """A save that failed because a newer writer took over says so."""
-        if self._generation is not None:
-            fencing.raise_if_fenced(err, self._check_fence)
-
-    def _usable_base(self, options: EncodeOptions) -> _DeltaBase | None:
-        base = self._base
-        if options.codec != "rcfz" or base is None or base.saves_since >= self.config.full_every - 1:
-            return None
-        return base
-
-    def _remember_base(self, name: str, manifest: ShardedManifest, flat: Any, options: EncodeOptions) -> None:
-        """Keep a private copy of a full checkpoint's leaves as the base of the next deltas."""
-        if manifest.delta_bases:
-            assert self._base is not None
-            self._base.saves_since += 1
-        elif options.codec == "rcfz" and self.config.full_every > 1:
-            self._base = _DeltaBase(name=name, chunks=_whole_chunks(flat.key_paths, map(copy_leaf, flat.leaves)))
-        else:
-            self._base = None
-
-    def _write_checkpoint(self, name: str, step: int, flat: Any, epoch_boundary: bool, meta: dict,
-                          options: EncodeOptions, base: _DeltaBase | None, *,
-                          history_trim: dict | None = None,
-                          known_crcs: list[int | None] | None = None) -> ShardedManifest:
-        """One part of whole-tensor chunks (the replicated placement), then the manifest."""
-        generation = self._generation
-        assert generation is not None
-        self.backend.make_dir(name)
         chunks = [ChunkSource(key=key, data=leaf, global_shape=tuple(leaf.shape), offsets=(0,) * leaf.ndim, rank=0,
-                              raw_crc32=known_crcs[index] if known_crcs else None)
+                              raw_crc32=raw_crc32[index] if raw_crc32 is not None else None)
                   for index, (key, leaf) in enumerate(zip(flat.key_paths, flat.leaves))]
-        layout = PartLayout(file_bytes=self.config.shard_size_bytes, crc_block_bytes=CRC_BLOCK_BYTES,
-                            threads=min(self.config.io_threads,
-                                        self.backend.max_parallel_writes or self.config.io_threads))
-        files, records = write_part_files(self.backend, name, 0, uuid.uuid4().hex[:8], chunks, options, layout, [],
-                                          base.chunks if base is not None else None)
-        part = PartManifest(
-            step=step, writer_generation=generation, world_size=1, ranks=(0,), epoch_boundary=bool(epoch_boundary),
-            created_unix_ns=time.time_ns(), files=files, chunks=records,
-            skeletons={0: {"state": flat.skeleton, "keys": flat.key_paths}},
-            delta_base=base.name if base is not None and any(r.delta for r in records) else None,
-            attributes=CheckpointAttributes(placement="replicated", meta=meta, history_trim=history_trim))
-        data = encode_part(part)
-        if not self.backend.create_exclusive(f"{name}/{part.name}", data):
-            raise StorageError(self.backend.uri(f"{name}/{part.name}"), "a part is there already: two writers "
-                               "share a generation?")
-        try:
-            manifest = merge_parts(step, generation, 1, part.created_unix_ns, [(part, len(data), crc32(data))])
-        except ManifestError as err:  # the state made a manifest a reader would refuse
-            raise UnsupportedStateError("<root>", str(err)) from None
-        self._check_fence()
-        self._commit(name, manifest)
-        return manifest
-
-    def _commit(self, name: str, manifest: ShardedManifest) -> None:
-        path = commit.manifest_path(name)
-        expected = manifest.expected_files()
-        files = self.backend.list_files(name)
-        short = [file for file, size in expected.items() if files.get(file) != size]
-        if short:  # checked before the create: a created manifest is final
-            raise StorageError(self.backend.uri(name), f"files {short} missing or short before the commit: "
-                               "not committed")
-        if not self.backend.create_exclusive(path, encode_global(manifest)):
-            raise StorageError(self.backend.uri(path), "a manifest is there already: two writers share a generation?")
-        generation = self._generation or 0
-        if commit.settle_created(self.backend, name, expected, generation):
-            raise FencedWriterError(self.uri, generation, fencing.newest_marker(self.backend))
-
-    def _discard(self, name: str) -> None:
-        """Remove what a failed save wrote, under an abandon record: a save that failed after
-        its commit (an answer lost on the way back) keeps its checkpoint. Where the record
-        cannot be written (a full disk) and no manifest is there, the directory is this
-        writer's alone (its name is new, and only this writer commits it): it goes as it is."""
-        try:
+        content = PartContent(step=step, world_size=1, skeletons={0: {"state": flat.skeleton, "keys": flat.key_paths}},
+                              chunks=chunks, epoch_boundary=bool(epoch_boundary), attributes=attributes)
+        with self._lock:
+            entries = self._catalog.scan(read_manifests=False)
+            newest = max((e.generation for e in entries), default=0)
+            generation = self._slot.take(newest)
+            fencing.check_fence(self.backend, generation, newest)
+            name = checkpoint_dir_name(step, generation, uuid.uuid4().hex[:8])
             try:
-                commit.remove_uncommitted(self.backend, name, self._generation or 0)
-            except StorageError:
-                if MANIFEST_NAME in self.backend.list_files(name):
-                    raise
-                self.backend.delete_dir(name)
-        except Exception as err:  # the next save retries; the failure that got us here matters more
-            logger.warning("could not remove partial checkpoint %s: %s", self.backend.uri(name), err)
-
-    # ------------------------------------------------------------ housekeeping
-    def _delete_leftovers(self, entries: builtins.list[StoredEntry]) -> None:
-        protected = self._protected()
-        if protected is None:
-            return  # the pointers are unknown: keeping too much is safe, deleting one is not
-        for entry in entries:
-            if not entry.committed and removable(entry, self._generation) \
-                    and (entry.abandoned or entry.step not in protected):
-                logger.info("removing interrupted save %s", self.backend.uri(entry.name))
-                if entry.abandoned:
-                    commit.finish_removal(self.backend, entry.name)  # its remover died on the way
-                else:
-                    commit.remove_uncommitted(self.backend, entry.name, self._generation or 0)
-        self.backend.clean_staging(commit.STALE_STAGING_S)
-
-    def _apply_retention(self, just_saved: str) -> None:
-        """Execute ``plan_retention`` over the committed checkpoints."""
-        protected = self._protected()
-        if protected is None:
-            return
-        entries = self._committed()
-        trim = self.config.history_trim
-        plan = plan_retention(
-            entries, keep_last=self.config.keep_last, keep_epoch_boundaries=self.config.keep_epoch_boundaries,
-            protected_steps=protected, just_saved=just_saved,
-            newest_verified=next((e.name for e in reversed(entries) if e.name in self._verified), None),
-            writer_generation=self._generation, trim=trim is not None,
-            delta_base_in_use=self._base.name if self._base is not None else None)
-        for name in plan.delete:
-            self._delete(name)
-        self._verified &= plan.keep
-        if trim is not None:
-            self._trim_history(trim, [e for e in entries if e.name in plan.keep], plan.rewrite, plan.drop_copied)
-
-    def _trim_history(self, trim: HistoryTrim, kept: builtins.list[StoredEntry], rewrite: Sequence[str],
-                      drop_copied: Sequence[str]) -> None:
-        """Rewrite ``rewrite`` trimmed, then delete them and ``drop_copied`` (history.py's
-        invariants 2 and 4: the copy commits before its source goes; a failure keeps the source)."""
-        by_name = {e.name: e for e in kept}
-        for name in [*rewrite, *drop_copied]:
-            try:
-                if name in rewrite:
-                    self._write_trimmed_copy(trim, by_name[name], [e for e in kept if e.trimmed])
-                self._delete(name)
+                base = self._writer.usable_base(options, self._is_committed)
+                self._writer.write(name, generation, content, options, base,
+                                   lambda: fencing.check_fence(self.backend, generation))
+                if raw_crc32 is None:  # checksummed here: known good (given ones are checked at the load)
+                    self._verified.add(name)
+                result = self._commit(name, step, generation, may_create=True)
+            except BaseException as err:
                 self._verified.discard(name)
-            except (CheckFreqError, OSError) as err:
-                logger.warning("%s: history checkpoint %s kept exact, trimming failed: %s", self.uri, name, err)
+                commit.discard(self.backend, name, generation)
+                fencing.raise_if_fenced(err, lambda: fencing.check_fence(self.backend, generation))
+                raise
+        if not result.by_me or result.ref is None:
+            raise StorageError(self.backend.uri(name), "a manifest is there already: two writers share a generation?")
+        return result.ref
 
-    def _write_trimmed_copy(self, trim: HistoryTrim, entry: StoredEntry, trimmed: builtins.list[StoredEntry]) -> None:
-        assert entry.manifest is not None
-        loaded = self._read_leaves(self._ref(entry.name, entry.manifest))
-        state = unflatten_state(loaded.skeleton, [trim.trim_leaf(leaf) for leaf in loaded.leaves])
-        base = self._trimmed_delta_base(trim, trimmed)
-        options = EncodeOptions(codec="rcfz", level=self.config.codec_level, threads=self.config.codec_threads)
-        name = checkpoint_dir_name(entry.step, self._generation or 0, uuid.uuid4().hex[:8])
+    def save_part(self, step: int, *, world_size: int, skeletons: Mapping[int, Any],
+                  chunks: Sequence[ChunkSource], epoch_boundary: bool = False,
+                  codec: str | None = None) -> PartManifest:
+        """Write this writer's part of sharded ``step``: the chunks of ranks ``skeletons``
+        names (each rank's non-tensor state as JSON), durable on return, encoded with
+        ``codec`` (None: the config's). Raises ``FencedWriterError`` (and leaves nothing)
+        when a newer generation exists. ``try_commit`` commits the step."""
+        _check_step(step)
+        options = EncodeOptions(codec=self.config.codec if codec is None else codec,
+                                level=self.config.codec_level, threads=self.config.codec_threads)
+        content = part_content(step, world_size=world_size, skeletons=skeletons, chunks=chunks,
+                               epoch_boundary=epoch_boundary)
+        generation = self._slot.require()
+        with self._lock:
+            check = lambda: fencing.check_fence(self.backend, generation)  # noqa: E731
+            try:
+                base = self._writer.usable_base(options, self._is_committed)
+                return self._writer.write(self.dir_name(step), generation, content, options, base, check)
+            except Exception as err:
+                _withdraw_if_fenced(self._writer, err, check, generation)
+                raise
+
+    def try_commit(self, step: int) -> CommitResult:
+        """Commit sharded ``step`` if every part is there (``committer.py``); the writer
+        that commits then removes what its retention no longer keeps."""
+        _check_step(step)
+        generation = self._slot.require()
+        name = self.dir_name(step)
+        with self._lock:
+            may_create = self.backend.atomic_exclusive_create or self._writer.owns_rank_zero(name)
+            return self._commit(name, step, generation, may_create=may_create)
+
+    def salvage(self) -> CheckpointRef | None:
+        """Commit the newest complete but uncommitted directory of an older generation (its
+        committer died after the last part), under its own generation; only when no
+        checkpoint of a newer generation than that directory's is committed."""
+        generation = self._slot.require()
+        with self._lock:
+            return committer.salvage(self._catalog, generation)
+
+    def _commit(self, name: str, step: int, generation: int, *, may_create: bool) -> CommitResult:
+        check = lambda: fencing.check_fence(self.backend, generation)  # noqa: E731
         try:
-            self._write_checkpoint(name, entry.step, flatten_state(state), True, dict(entry.manifest.meta), options,
-                                   base, history_trim=trim.describe(entry.name))
-        except BaseException:
-            self._discard(name)
+            check()
+            result = committer.commit_dir(self._catalog, name, step, generation, fence=generation,
+                                          may_create=may_create)
+        except Exception as err:
+            _withdraw_if_fenced(self._writer, err, check, generation)
             raise
-        logger.info("%s: history checkpoint %s rewritten trimmed as %s", self.uri, entry.name, name)
+        if result.committed:
+            self._writer.committed(name)
+        protected = protected_steps_now(self.protected_steps, self.uri) if result.by_me else None
+        if protected is not None:  # None: the pointers are unknown, and deleting one is not safe
+            try:
+                self._housekeeper.after_commit(name, step, generation, protected, self._verified)
+            except (CheckFreqError, OSError) as err:  # the next commit's housekeeping retries
+                logger.warning("%s committed; removing older checkpoints failed: %s", self.backend.uri(name), err)
+        return result
 
-    def _trimmed_delta_base(self, trim: HistoryTrim, trimmed: builtins.list[StoredEntry]) -> _DeltaBase | None:
-        """The newest full trimmed copy with room for another delta, with its leaves by key."""
-        fulls = [e for e in trimmed if e.manifest is not None and not e.manifest.delta_bases]
-        if not fulls or trim.full_every == 1:
-            return None
-        newest = fulls[-1]
-        deltas = sum(1 for e in trimmed if e.manifest is not None and newest.name in e.manifest.delta_bases)
-        if deltas >= trim.full_every - 1:
-            return None
-        assert newest.manifest is not None
-        try:
-            loaded = self._read_leaves(self._ref(newest.name, newest.manifest))
-        except CheckFreqError as err:
-            logger.warning("%s: trimmed copy %s unusable as a delta base: %s", self.uri, newest.name, err)
-            return None
-        if isinstance(newest.manifest, Manifest):
-            return None  # a format 2 copy: the next copy is full (a delta's base is format 4)
-        return _DeltaBase(name=newest.name, chunks=_whole_chunks(loaded.keys, loaded.leaves))
-
-    def _protected(self) -> set[int] | None:
-        return protected_steps_now(self.protected_steps, self.uri)
-
-    def _delete(self, name: str) -> None:
-        # Uncommit first: an interrupted delete must not leave a manifest without shards.
-        commit.remove_committed(self.backend, name, self._generation or 0)
+    def _is_committed(self, name: str) -> bool:
+        return self._catalog.existing_commit(name).committed
 
     def delete(self, ref_or_step: CheckpointRef | int) -> None:
         """Delete one committed checkpoint (manifest first)."""
         with self._lock:
-            if isinstance(ref_or_step, CheckpointRef):
-                name = ref_or_step.name
-            else:
-                matches = [e.name for e in self._committed() if e.step == ref_or_step]
-                if not matches:
-                    raise CheckpointNotFoundError(f"no committed checkpoint for step {ref_or_step} in {self.uri}")
-                name = matches[-1]
-            self._delete(name)
+            name = self._catalog.find(ref_or_step).name
+            commit.remove_committed(self.backend, name, self._slot.generation or 0)
 
     # ------------------------------------------------------------------ listing
-    def _scan(self, read_manifests: bool = True, *, settled: bool = False) -> builtins.list[StoredEntry]:
-        """Checkpoint directories, listed again while a listed manifest vanished before it
-        was read, and (``settled``, a reader's answer) while a step directory appeared
-        meanwhile: never a view older than one a reader could have had (commit.py)."""
-        attempts = commit.SETTLED_RESCANS if settled else commit.RESCANS
-        for attempt in range(attempts):
-            entries = self._scan_once(read_manifests)
-            if attempt + 1 == attempts and not settled:
-                return entries
-            if not any(e.vanished for e in entries) \
-                    and not (settled and commit.new_step_dirs(self.backend, (e.name for e in entries))):
-                return entries
-        raise commit.unsettled(self.uri)
-
-    def _scan_once(self, read_manifests: bool) -> builtins.list[StoredEntry]:
-        entries = []
-        for name, files in self.backend.list_tree().items():
-            parsed = parse_checkpoint_dir(name)
-            if parsed is not None:  # any other name is not a checkpoint: ignored
-                entry = StoredEntry(name=name, step=parsed[0], generation=parsed[1], files=files)
-                entry.abandoned = commit.holds_abandon_record(self.backend, name, files)
-                if read_manifests and entry.committed:
-                    self._read_manifest_into(entry)
-                entries.append(entry)
-        return entries
-
-    def _read_manifest_into(self, entry: StoredEntry) -> None:
-        location = self.backend.uri(f"{entry.name}/{MANIFEST_NAME}")
-        try:
-            if entry.files[MANIFEST_NAME] > MAX_MANIFEST_BYTES:  # not even read
-                raise ManifestError(f"{entry.files[MANIFEST_NAME]} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-            entry.manifest = decode_any_manifest(commit.read_listed_manifest(self.backend, entry.name))
-            if entry.manifest.step != entry.step:
-                raise ManifestError(f"step {entry.manifest.step} does not match directory {entry.name}")
-            if entry.manifest.writer_generation != entry.generation:
-                raise ManifestError(
-                    f"writer generation {entry.manifest.writer_generation} does not match directory {entry.name}"
-                )
-        except ManifestError as err:
-            entry.manifest = None
-            entry.fault = CorruptCheckpointError(location, str(err))
-        except FileNotFoundError:  # the listing is out of date: _scan lists again
-            entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
-            entry.vanished = True
-
-    def _committed(self, *, settled: bool = False) -> builtins.list[StoredEntry]:
-        """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
-        return sorted((e for e in self._scan(settled=settled) if e.committed), key=StoredEntry.order_key)
-
-    def list(self) -> builtins.list[CheckpointRef]:
-        """Committed checkpoints whose manifest is readable, oldest first.
+    def list(self, *, placement: str | None = None) -> builtins.list[CheckpointRef]:
+        """Committed checkpoints, every file of them present at its recorded size, oldest
+        first; only those of ``placement`` (``"replicated"`` or ``"sharded"``) when given.
 
         Ordered by writer generation, then step, then commit time: a newer writer's
         checkpoints come after every older writer's, whatever their steps.
         """
         refs = []
-        for entry in self._committed(settled=True):
+        for entry in self._catalog.committed(settled=True):
             if entry.manifest is None:
                 logger.warning("skipping checkpoint: %s", entry.fault)
-            elif _whole_state(entry.manifest):  # a sharded run's steps are restored rank by rank
-                refs.append(self._ref(entry.name, entry.manifest))
+            elif not entry.intact():
+                logger.warning("skipping checkpoint %s: %s", self.backend.uri(entry.name),
+                               damage(entry.manifest, entry.files))
+            else:
+                ref = self._catalog.ref(entry.name, entry.manifest)
+                if placement is None or ref.placement == placement:
+                    refs.append(ref)
         return refs
 
     def scan(self) -> builtins.list[tuple[CheckpointRef | None, str, CorruptCheckpointError | None]]:
@@ -593,70 +371,24 @@ class CheckpointStore:
 
         Includes uncommitted leftovers (ref None, fault None) and unreadable manifests.
         """
-        rows = []
-        for entry in sorted(self._scan(), key=StoredEntry.order_key):
-            ref = self._ref(entry.name, entry.manifest) if entry.manifest else None
-            rows.append((ref, entry.name, entry.fault))
-        return rows
+        return [(self._catalog.ref(e.name, e.manifest) if e.manifest else None, e.name, e.fault)
+                for e in sorted(self._catalog.scan(), key=StoredEntry.order_key)]
 
     def latest(self) -> CheckpointRef | None:
-        """The newest checkpoint that loads: read, decoded and checked by the very rule
-        ``load()`` applies, so ``load()`` returns this checkpoint's state."""
+        """The newest checkpoint that ``load()`` rebuilds: read, decoded and checked by the
+        very rule ``load()`` applies, so ``load()`` returns this checkpoint's state."""
         for attempt in range(commit.RESCANS):
-            for ref in self._newest_first():
+            for ref in _newest_whole_first(self.list()):
                 try:
                     self._read(ref)  # remembers it as verified
                     return ref
                 except CorruptCheckpointError as err:
-                    if attempt + 1 < commit.RESCANS and not self._still_committed(ref):
+                    if attempt + 1 < commit.RESCANS and not _still_listed(self.backend, ref.name):
                         break  # removed while read (a retention at work): the listing is out of date
                     logger.warning("checkpoint %s failed verification, falling back: %s", ref.uri, err)
             else:
                 return None
         return None
-
-    def _still_committed(self, ref: CheckpointRef) -> bool:
-        try:
-            commit.read_listed_manifest(self.backend, ref.name)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _newest_first(self) -> Iterator[CheckpointRef]:
-        """Exact checkpoints, newest first: what a resume may read (never a trimmed copy)."""
-        return reversed([ref for ref in self.list() if not ref.trimmed])
-
-    def _ref(self, name: str, manifest: Manifest | ShardedManifest) -> CheckpointRef:
-        return CheckpointRef(
-            step=manifest.step,
-            uri=self.backend.uri(name),
-            epoch_boundary=manifest.epoch_boundary,
-            meta=dict(manifest.meta),
-            name=name,
-            created_unix_ns=manifest.created_unix_ns,
-            size_bytes=manifest.size_bytes,
-            writer_generation=manifest.writer_generation,
-            trimmed=manifest.history_trim is not None,
-        )
-
-    def _find(self, ref_or_step: CheckpointRef | int) -> CheckpointRef:
-        """A ref is used as it is; a step resolves to its newest committed save."""
-        if isinstance(ref_or_step, CheckpointRef):
-            return ref_or_step
-        if isinstance(ref_or_step, bool) or not isinstance(ref_or_step, int):
-            raise TypeError(f"expected a CheckpointRef or a step number, got {ref_or_step!r}")
-        entries = self._committed()
-        matches = [e for e in entries if e.step == ref_or_step]
-        if not matches:
-            steps = [e.step for e in entries]
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint for step {ref_or_step} in {self.uri} (steps: {steps})"
-            )
-        entry = matches[-1]
-        if entry.manifest is None:
-            assert entry.fault is not None
-            raise entry.fault
-        return self._ref(entry.name, entry.manifest)
 
     # ------------------------------------------------------------------ reading
     def load(self, ref_or_step: CheckpointRef | int | None = None) -> dict:
@@ -666,92 +398,67 @@ class CheckpointStore:
         checkpoint asked for by ref or step is not substituted when it is corrupt.
         """
         if ref_or_step is not None:
-            return self._read(self._find(ref_or_step))
+            return self._read(self._catalog.find(ref_or_step))
         faults = []
-        for ref in self._newest_first():
+        refs = self.list()
+        for ref in _newest_whole_first(refs):
             try:
                 return self._read(ref)
             except CorruptCheckpointError as err:
                 logger.warning("checkpoint %s is corrupt, falling back: %s", ref.uri, err)
                 faults.append(str(err))
         detail = f"; faults: {faults}" if faults else ""
-        trimmed = [ref.step for ref in self.list() if ref.trimmed]
+        trimmed = [ref.step for ref in refs if ref.trimmed]
         if trimmed:
             detail += f"; near-lossless history copies (load them by step) at steps {trimmed}"
         raise CheckpointNotFoundError(f"no valid checkpoint in {self.uri}{detail}")
 
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
         """Raise CorruptCheckpointError naming the file unless every byte checks out and
-        the checkpoint loads (what ``load()`` accepts, and every stored checksum too)."""
-        self._read(self._find(ref_or_step), check_stored=True)
+        the checkpoint loads (what ``load()`` accepts, and every stored checksum too). A
+        sharded checkpoint is read one data file at a time, every rank's skeleton checked."""
+        ref = self._catalog.find(ref_or_step)
+        if ref.placement == "replicated":
+            self._read(ref, check_stored=True)
+            return
+        reader = self.reader(ref, verify=True)
+        reader.skeletons()
+        by_file: dict[str, builtins.list[Any]] = {}
+        for chunk in (c for t in reader.manifest.tensors for c in t.chunks):
+            by_file.setdefault(chunk.file, []).append(chunk)
+        for chunks in by_file.values():
+            reader.read_whole_chunks(chunks, 1)
+
+    def reader(self, ref_or_step: CheckpointRef | int, *, verify: bool = False) -> BoxReader:
+        """A ranged reader of one checkpoint of format 3 or 4, any placement: boxes of its
+        tensors (``load_boxes``), its ranks' skeletons (``skeletons``), its ``manifest``."""
+        ref = self._catalog.find(ref_or_step)
+        return BoxReader(self.backend, ref.name, self._catalog.global_manifest(ref.name),
+                         codec_threads=self.config.codec_threads, base_manifest=self._catalog.global_manifest,
+                         verify=verify)
 
     def _read(self, ref: CheckpointRef, *, check_stored: bool = False) -> Any:
-        loaded = self._read_leaves(ref, check_stored=check_stored)
-        try:
-            state = unflatten_state(loaded.skeleton, loaded.leaves)
-        except SkeletonError as err:
-            raise CorruptCheckpointError(self._manifest_uri(ref), f"state skeleton: {err}") from None
-        self._verified.add(ref.name)
-        return state
-
-    def _read_leaves(self, ref: CheckpointRef, *, check_stored: bool = False) -> _Loaded:
-        manifest = self._load_manifest(ref.name)
+        manifest = self._catalog.load_manifest(ref.name)
         if isinstance(manifest, Manifest):
+            skeleton = manifest.state
             leaves = legacy.read_leaves(self.backend, ref.name, manifest,
                                         (self.config.io_threads, self.config.codec_threads), build=True,
                                         check_stored=check_stored)
-            return _Loaded(manifest.state, [t.key for t in manifest.tensors], leaves)
-        if not _whole_state(manifest):
-            raise CorruptCheckpointError(self._manifest_uri(ref), "a sharded checkpoint (one part per rank): "
-                                         "restore it through the engine or export it (ray-checkfreq export)")
-        skeleton, keys, chunks = self._replicated_layout(ref, manifest)
-        reader = BoxReader(self.backend, ref.name, manifest, codec_threads=self.config.codec_threads,
-                           base_manifest=self._base_manifest, verify=check_stored)
-        return _Loaded(skeleton, keys, reader.read_whole_chunks(chunks, self.config.io_threads))
-
-    def _replicated_layout(self, ref: CheckpointRef,
-                           manifest: ShardedManifest) -> tuple[Any, builtins.list[str], builtins.list[ChunkRecord]]:
-        """The state skeleton, leaf keys and whole chunks of a replicated checkpoint, its one
-        part manifest checked against what the global manifest records."""
-        (entry,) = manifest.parts
-        path = f"{ref.name}/{entry.name}"
+        elif manifest.attributes.placement != "replicated":
+            raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(ref.name)), "a sharded checkpoint "
+                                         "(one part per rank): restore it through the engine or export it "
+                                         "(ray-checkfreq export)")
+        else:
+            reader = self.reader(ref, verify=check_stored)
+            skeleton, _, chunks = reader.whole_state()
+            leaves = reader.read_whole_chunks(chunks, self.config.io_threads)
         try:
-            data = self.backend.read_small(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(self.backend.uri(path), "part manifest is missing") from None
-        if len(data) != entry.size_bytes or crc32(data) != entry.crc32:
-            raise CorruptCheckpointError(self.backend.uri(path), "part manifest differs from what the global "
-                                         "manifest records")
-        try:
-            skeleton, keys = replicated_skeleton(decode_part(data, name=entry.name), manifest)
-        except ManifestError as err:
-            raise CorruptCheckpointError(self.backend.uri(path), str(err)) from None
-        return skeleton, keys, [manifest.tensor(key).chunks[0] for key in keys]  # type: ignore[union-attr]
-
-    def _base_manifest(self, name: str) -> ShardedManifest:
-        """A delta base's global manifest (format 4: the only one a delta refers to)."""
-        manifest = self._load_manifest(name)
-        if isinstance(manifest, Manifest):
-            raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(name)), "a format 1 checkpoint "
-                                         "named as the base of a format 4 delta")
-        return manifest
-
-    def _manifest_uri(self, ref: CheckpointRef) -> str:
-        return self.backend.uri(commit.manifest_path(ref.name))
-
-    def _load_manifest(self, name: str) -> Manifest | ShardedManifest:
-        location = self.backend.uri(commit.manifest_path(name))
-        try:
-            manifest = decode_any_manifest(self.backend.read_small(commit.manifest_path(name)))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(location, "manifest is missing") from None
-        except ManifestError as err:
-            raise CorruptCheckpointError(location, str(err)) from None
-        parsed = parse_checkpoint_dir(name)
-        if isinstance(manifest, ShardedManifest) and parsed not in (None, (manifest.step, manifest.writer_generation)):
-            raise CorruptCheckpointError(location, f"step {manifest.step} / generation {manifest.writer_generation} "
-                                         f"do not match directory {name}")
-        return manifest
+            state = unflatten_state(skeleton, leaves)
+        except SkeletonError as err:
+            raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(ref.name)),
+                                         f"state skeleton: {err}") from None
+        self._verified.add(ref.name)
+        return state
 
     def write_metadata(self, name: str, data: dict) -> None:
         """Store a small JSON document (a cached profile, say) beside the checkpoints."""
@@ -766,12 +473,30 @@ class CheckpointStore:
         self.backend.close()
 
 
-def _checked_generation(generation: Any) -> int | None:
-    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
-                                   or not 1 <= generation <= MAX_GENERATION):
-        raise ValueError(f"writer_generation={generation!r}: must be an int from 1 to {MAX_GENERATION} "
-                         "(from acquire_writer) or None")
-    return generation
+def _withdraw_if_fenced(writer: PartWriter, err: Exception, check: Callable[[], None], generation: int) -> None:
+    """A write or commit that failed because a newer generation took over (its housekeeping
+    removed files under it, say): withdraw this writer's parts and raise FencedWriterError."""
+    try:
+        if isinstance(err, FencedWriterError):
+            raise err
+        fencing.raise_if_fenced(err, check)
+    except FencedWriterError:
+        writer.withdraw(generation)
+        raise
+
+
+def _newest_whole_first(refs: builtins.list[CheckpointRef]) -> builtins.list[CheckpointRef]:
+    """What a resume may ``load()``, newest first: exact replicated checkpoints (never a
+    trimmed copy)."""
+    return [ref for ref in reversed(refs) if not ref.trimmed and ref.placement == "replicated"]
+
+
+def _still_listed(backend: Backend, name: str) -> bool:
+    try:
+        commit.read_listed_manifest(backend, name)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _rebuild_store(uri: str, kwargs: dict) -> CheckpointStore:
@@ -784,8 +509,6 @@ def _check_step(step: Any) -> None:
 
 
 def _checked_meta(meta: dict | None) -> dict:
-    import json
-
     if meta is None:
         return {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
@@ -798,12 +521,3 @@ def _checked_meta(meta: dict | None) -> dict:
         return parse_stored_json(f"[{text}]".encode(), max_bytes=MAX_METADATA_BYTES)[0]
     except StoredJsonError as err:
         raise UnsupportedStateError("meta", str(err)) from None
-
-
-def _whole_chunks(keys: Iterable[str], leaves: Iterable[Any]) -> dict[tuple[str, Box, int], Any]:
-    return {(key, whole(tuple(leaf.shape)), 0): leaf for key, leaf in zip(keys, leaves)}
-
-
-def _whole_state(manifest: Manifest | ShardedManifest) -> bool:
-    """Whether ``load()`` rebuilds the checkpoint's state: formats 1-2, or a replicated one."""
-    return isinstance(manifest, Manifest) or manifest.attributes.placement == "replicated"

@@ -99,7 +99,7 @@ def _final_checks(ctx: load.Context) -> None:
 
 
 def _driver_store(ctx: load.Context) -> Any:
-    return ctx.sharded_store() if ctx.workload.store == "sharded" else ctx.replicated_store()
+    return ctx.store()
 
 
 def _check_told_stay_loadable(ctx: load.Context) -> None:

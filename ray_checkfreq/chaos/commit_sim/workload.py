@@ -25,11 +25,9 @@ from ray_checkfreq.chaos.commit_sim.scheduler import Scheduler
 from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.names import parse_checkpoint_dir
-from ray_checkfreq.storage.sharded_store import ChunkSource, ShardedStore
-from ray_checkfreq.storage.store import CheckpointStore
+from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 STRAY_PREFIX = ".nfs"
-_UNUSED_URI = "/nonexistent/ray-checkfreq-sim"  # the store's own backend is replaced, never used
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,20 +77,11 @@ class Context:
     def _protected(self) -> list[int]:
         return sorted(self.pointers)
 
-    def sharded_store(self, generation: int | None = None) -> ShardedStore:
-        store = ShardedStore(_UNUSED_URI, writer_generation=generation, protected_steps=self._protected,
-                             keep_last=self.workload.keep_last, io_threads=1, codec=self._codec(),
-                             full_every=self.workload.full_every)
-        store.backend, store.uri = self.backend, self.backend.root_uri
-        self._trace_housekeeping(store, "_housekeeping")
-        return store
-
-    def replicated_store(self) -> CheckpointStore:
-        store = CheckpointStore(_UNUSED_URI, protected_steps=self._protected, keep_last=self.workload.keep_last,
-                                io_threads=1, codec=self._codec(), full_every=self.workload.full_every)
-        store.backend, store.uri = self.backend, self.backend.root_uri
-        self._trace_housekeeping(store, "_delete_leftovers")
-        self._trace_housekeeping(store, "_apply_retention")
+    def store(self, generation: int | None = None) -> CheckpointStore:
+        store = CheckpointStore(self.backend.root_uri, filesystem=self.backend, writer_generation=generation,
+                                protected_steps=self._protected, keep_last=self.workload.keep_last, io_threads=1,
+                                codec=self._codec(), full_every=self.workload.full_every)
+        self._trace_housekeeping(store._housekeeper, "after_commit")
         return store
 
     def _codec(self) -> str:
@@ -135,7 +124,7 @@ def start_generation(ctx: Context, *, clean: bool = False) -> None:
     if ctx.workload.store == "replicated":
         _replicated_generation(ctx, clean)
         return
-    store = ctx.sharded_store()
+    store = ctx.store()
     generation = store.acquire_writer()
     ctx.acquired[generation] = ctx.scheduler.tick
     salvaged = store.salvage()
@@ -154,7 +143,7 @@ def start_generation(ctx: Context, *, clean: bool = False) -> None:
 
 
 def _sharded_writer(ctx: Context, generation: int, rank: int, world: int, steps: list[int]) -> None:
-    store = ctx.sharded_store(generation)
+    store = ctx.store(generation)
     for step in steps:
         values = expected_values(generation, step, world)[2 * rank:2 * rank + 2].copy()
         chunk = ChunkSource(key="w", data=values, global_shape=(2 * world,), offsets=(2 * rank,), rank=rank)
@@ -173,7 +162,7 @@ def _sharded_writer(ctx: Context, generation: int, rank: int, world: int, steps:
 
 
 def _replicated_generation(ctx: Context, clean: bool) -> None:
-    store = ctx.replicated_store()
+    store = ctx.store()
     generation = store.acquire_writer()
     latest = ctx.latest(store)
     first = latest.step + 1 if latest is not None else 1
@@ -186,7 +175,7 @@ def _replicated_generation(ctx: Context, clean: bool) -> None:
 
 # ------------------------------------------------------------ readers and strays
 def reader(ctx: Context) -> None:
-    store = ctx.sharded_store() if ctx.workload.store == "sharded" else ctx.replicated_store()
+    store = ctx.store()
     for _ in range(ctx.workload.reader_ops):
         ctx.wait("think")
         operation = ctx.rng.choice((_list, _latest, _load, _register_pointer))
@@ -250,9 +239,10 @@ def stray_files(ctx: Context) -> None:
 # ------------------------------------------------------------ values
 def load_values(store: Any, ref: Any) -> tuple[np.ndarray, int]:
     """The checkpoint's values and the generation its contents name."""
-    if isinstance(store, ShardedStore):
-        loaded = store.load_chunks(ref, {"w": [Box((0,), (2 * ref.world_size,))]})["w"][0]
-        skeletons = store.load_skeletons(ref)
+    if ref.placement == "sharded":
+        reader = store.reader(ref)
+        loaded = reader.load_boxes({"w": [Box((0,), (2 * ref.world_size,))]})["w"][0]
+        skeletons = reader.skeletons()
         generations = {skeleton["generation"] for skeleton in skeletons.values()}
         steps = {skeleton["step"] for skeleton in skeletons.values()}
         if len(generations) != 1 or steps != {ref.step}:

@@ -13,11 +13,14 @@ def open_backend(uri: str, *, filesystem: Any = None, s3: S3Options | None = Non
                  direct_io: bool = True) -> Backend:
     """A plain path or ``file://`` -> POSIX; ``s3://`` -> boto3; else ``pyarrow.fs``.
 
-    With ``filesystem`` (a ``pyarrow.fs.FileSystem``), ``uri`` is a path on it.
+    With ``filesystem`` (a ``pyarrow.fs.FileSystem``), ``uri`` is a path on it; a
+    ``Backend`` given as ``filesystem`` is used as it is (the simulation's, a test's).
     ``direct_io``: a POSIX backend writes large shards around the page cache.
     """
     if not isinstance(uri, str) or not uri:
         raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
+    if isinstance(filesystem, Backend):
+        return filesystem
     parsed = urlparse(uri)
     if filesystem is not None:
         path = (parsed.netloc + parsed.path) if parsed.scheme else uri
