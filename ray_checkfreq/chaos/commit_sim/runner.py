@@ -188,7 +188,7 @@ def _check_clean_leftovers(ctx: load.Context) -> None:
     for name, file in backend.root_files.items():
         if listing.is_staged(name) and file.creator not in dead:
             history.violate(f"(d) {file.creator}, which was not killed, left the staged file {name}")
-    latest = store.latest()
+    latest = load.newest(store, ctx.workload)
     if ctx.clean_steps and (latest is None or (latest.writer_generation, latest.step) != ctx.clean_steps[-1]):
         history.violate(f"(d) latest() after the clean generation is {load.order_key(latest)}, not "
                         f"{ctx.clean_steps[-1]}")

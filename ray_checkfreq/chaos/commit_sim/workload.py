@@ -107,7 +107,7 @@ class Context:
 
     def latest(self, store: Any) -> Any:
         started = self.scheduler.tick
-        ref = store.latest()
+        ref = newest(store, self.workload)
         self.history.record_latest(self.me(), started, order_key(ref))
         if ref is not None:
             self.history.tell(ref.name, self.me())
@@ -234,6 +234,15 @@ def stray_files(ctx: Context) -> None:
         for _ in range(ctx.rng.randint(1, 10)):
             ctx.wait("hold")
         ctx.backend.delete_file(path)
+
+
+def newest(store: CheckpointStore, workload: Workload) -> Any:
+    """What a restart resumes from: the newest complete sharded step (every rank reads its
+    own boxes), or the newest replicated checkpoint ``latest()`` loads."""
+    if workload.store == "sharded":
+        refs = store.list(placement="sharded")
+        return refs[-1] if refs else None
+    return store.latest()
 
 
 # ------------------------------------------------------------ values
