@@ -180,7 +180,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ray_checkfreq.storage.sharded_export import export_store
+    from ray_checkfreq.storage.export import export_store
 
     store = _existing_store(args.uri)
     written = export_store(store, args.step, args.target, fmt=args.export_format,

@@ -33,14 +33,8 @@ from store_helpers import newest_sharded, part_store
 from ray_checkfreq.errors import FencedWriterError, StorageError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.chunks import whole
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, PART_FILE, PART_MANIFEST, ManifestError, decode_part
 from ray_checkfreq.storage.names import parse_checkpoint_dir
-from ray_checkfreq.storage.sharded_manifest import (
-    GLOBAL_MANIFEST_NAME,
-    PART_FILE,
-    PART_MANIFEST,
-    ManifestError,
-    decode_part,
-)
 from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore, ChunkSource
 
 WORLD = 3
@@ -303,7 +297,7 @@ def orphans(root: str) -> list[str]:
             found.append(f"{name}: not a committed checkpoint, holds {sorted(present)[:6]}")
             continue
         manifest = reader.reader(kept[name]).manifest
-        listed = {GLOBAL_MANIFEST_NAME} | {p.name for p in manifest.parts}
+        listed = {MANIFEST_NAME} | {p.name for p in manifest.parts}
         listed |= {f.name for p in manifest.parts for f in p.files}
         if present != listed:
             found.append(f"{name}: files {sorted(present - listed)} not listed, {sorted(listed - present)} missing")
@@ -339,10 +333,10 @@ def committed_dirs(root: str, generation: int) -> set[str]:
 
 def holds_global_manifest(path: str, names: Any) -> bool:
     """A global manifest, not an abandon record (a remover's hold on the name: commit.py)."""
-    if GLOBAL_MANIFEST_NAME not in names:
+    if MANIFEST_NAME not in names:
         return False
     try:
-        with open(os.path.join(path, GLOBAL_MANIFEST_NAME), "rb") as f:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
             return not commit.is_abandon_record(f.read())
     except FileNotFoundError:
         return False

@@ -28,7 +28,7 @@ from store_helpers import newest_sharded, part_store
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
 from ray_checkfreq.engine.profiling import WARMUP_ITERS
 from ray_checkfreq.ray.decisions import BroadcastDecisions
-from ray_checkfreq.storage.sharded_manifest import PartManifest
+from ray_checkfreq.storage.manifest import PartManifest
 from ray_checkfreq.storage.store import CheckpointStore
 
 SLOW_PART_S = 0.15  # rank 1 writes each part this late

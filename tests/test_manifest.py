@@ -7,17 +7,11 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from legacy_writer import encode_manifest
 
 from ray_checkfreq.storage.arrays import LeafSpec
-from ray_checkfreq.storage.manifest import (
-    Manifest,
-    ManifestError,
-    ShardEntry,
-    TensorEntry,
-    body_checksum,
-    decode_manifest,
-    encode_manifest,
-)
+from ray_checkfreq.storage.legacy import Manifest, ShardEntry, TensorEntry, decode_manifest
+from ray_checkfreq.storage.manifest import ManifestError, body_checksum
 
 DTYPES = [("torch", "float32", 4), ("torch", "bfloat16", 2), ("torch", "bool", 1), ("numpy", "<i8", 8)]
 

@@ -17,8 +17,8 @@ from ray_checkfreq import CheckpointStore, codec
 from ray_checkfreq.errors import CheckpointNotFoundError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.history import HistoryTrim
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_manifest
-from ray_checkfreq.storage.sharded_manifest import decode_any_manifest, decode_global
+from ray_checkfreq.storage.legacy import decode_any_manifest, decode_manifest
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_global
 
 B = 2 ** 10
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, Manifest, ShardEntry
+from ray_checkfreq.storage.legacy import Manifest, ShardEntry
+from ray_checkfreq.storage.manifest import MANIFEST_NAME
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention
 
 

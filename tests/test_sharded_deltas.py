@@ -14,8 +14,7 @@ from store_helpers import part_store
 from ray_checkfreq.errors import CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.manifest import ManifestError, body_checksum
-from ray_checkfreq.storage.sharded_manifest import GLOBAL_MANIFEST_NAME, decode_global, decode_part
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_global, decode_part
 from ray_checkfreq.storage.store import CheckpointStore
 from tests.test_sharded_store import assert_loads, chunks_of, full_state, save
 
@@ -46,7 +45,7 @@ def save_step(writers: list[CheckpointStore], step: int) -> None:
 
 
 def global_manifest(store: CheckpointStore, step: int):
-    return decode_global(store.backend.read_small(f"{store.dir_name(step)}/{GLOBAL_MANIFEST_NAME}"))
+    return decode_global(store.backend.read_small(f"{store.dir_name(step)}/{MANIFEST_NAME}"))
 
 
 def test_parts_between_full_ones_are_deltas_and_load_bit_for_bit(tmp_path):
@@ -144,7 +143,7 @@ def test_a_delta_of_a_delta_is_refused_by_name(tmp_path):
     for step in (1, 2, 3):
         save_step(writers, step)
     # Point step 3's deltas at step 2 (itself a delta): the reader must refuse, not decode garbage.
-    path = f"{writers[0].dir_name(3)}/{GLOBAL_MANIFEST_NAME}"
+    path = f"{writers[0].dir_name(3)}/{MANIFEST_NAME}"
     delta_dir = writers[0].dir_name(2)
 
     def retarget(body: dict) -> None:
@@ -183,7 +182,7 @@ def test_format_3_manifests_still_decode(tmp_path):
     store.acquire_writer()
     save(store, 1, [0], drifted(1), 1)
     store.try_commit(1)
-    path = f"{store.dir_name(1)}/{GLOBAL_MANIFEST_NAME}"
+    path = f"{store.dir_name(1)}/{MANIFEST_NAME}"
 
     def as_format_3(body: dict) -> None:
         body["format_version"] = 3

@@ -1,4 +1,4 @@
-"""Export of sharded (format 3) checkpoints (storage/sharded_export.py): a PyTorch
+"""Export of sharded (format 3) checkpoints (storage/export.py): a PyTorch
 Distributed Checkpoint directory that torch.distributed.checkpoint loads into full tensors
 and into DTensors of another sharding, and .safetensors / .pt with every tensor gathered."""
 
@@ -20,7 +20,7 @@ from ray_checkfreq.errors import CheckpointNotFoundError
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.arrays import leaf_bytes
 from ray_checkfreq.storage.chunks import Box, whole
-from ray_checkfreq.storage.sharded_export import dcp_fqn, export_store
+from ray_checkfreq.storage.export import dcp_fqn, export_store
 from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 WORLD = 4

@@ -16,8 +16,7 @@ from store_helpers import newest_sharded, part_store
 from ray_checkfreq.errors import CorruptCheckpointError, FencedWriterError, StorageError
 from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.chunks import Box, whole
-from ray_checkfreq.storage.manifest import body_checksum
-from ray_checkfreq.storage.sharded_manifest import GLOBAL_MANIFEST_NAME, decode_global, decode_part, part_manifest_name
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, body_checksum, decode_global, decode_part, part_manifest_name
 from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
 
 WORLD = 4
@@ -88,7 +87,7 @@ def assert_loads(store: CheckpointStore, step: int, state: dict, world: int) -> 
 
 
 def manifests(root) -> list:
-    return sorted(p for p in root.rglob(GLOBAL_MANIFEST_NAME))
+    return sorted(p for p in root.rglob(MANIFEST_NAME))
 
 
 # ------------------------------------------------------------------ the commit race
@@ -324,7 +323,7 @@ def test_salvage_commits_a_complete_old_directory_only_without_a_newer_checkpoin
     new2._housekeeping = lambda *args: None  # keep the old directory to look at
     assert new2.try_commit(2).by_me
     assert new2.salvage() is None
-    assert not (root2 / old2.dir_name(8) / GLOBAL_MANIFEST_NAME).exists()
+    assert not (root2 / old2.dir_name(8) / MANIFEST_NAME).exists()
 
 
 # ------------------------------------------------------------------ hostile manifests
@@ -412,7 +411,7 @@ def drop_last_part(body: dict) -> None:
 def test_a_corrupt_or_hostile_global_manifest_is_refused_by_name_and_latest_falls_back(tmp_path, change, reason):
     store = committed(tmp_path, steps=(1, 2))
     held = newest_sharded(store)  # a ref taken before the damage
-    path = tmp_path / store.dir_name(2) / GLOBAL_MANIFEST_NAME
+    path = tmp_path / store.dir_name(2) / MANIFEST_NAME
     rewrite_signed(path, change)
     with pytest.raises(CorruptCheckpointError, match=reason) as err:
         store.reader(held).load_boxes({"model/w": [Box((0, 0), (1, 48))]})
@@ -440,7 +439,7 @@ def test_a_manifest_is_decoded_once_per_store_until_its_bytes_change(tmp_path, m
     assert newest_sharded(reader).step == 2 and reader.reader(2).manifest.step == 2
     assert_loads(reader, 2, full_state(2), WORLD)
     assert sorted(decoded) == [1, 2]
-    rewrite_signed(tmp_path / store.dir_name(2) / GLOBAL_MANIFEST_NAME,
+    rewrite_signed(tmp_path / store.dir_name(2) / MANIFEST_NAME,
                    lambda body: body.__setitem__("created_unix_ns", body["created_unix_ns"] + 1))
     assert newest_sharded(reader).step == 2 and sorted(decoded) == [1, 2, 2]
 

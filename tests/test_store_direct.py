@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.backends import direct, posix
 from ray_checkfreq.storage.backends.direct import BLOCK, LARGE_LEAF_BYTES, DirectWriter, address_of
-from ray_checkfreq.storage.manifest import MANIFEST_NAME
-from ray_checkfreq.storage.sharded_manifest import decode_global
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, decode_global
 
 PAGES = mmap.mmap(-1, 64 * BLOCK)  # page-aligned source memory
 PAGES[:] = np.random.default_rng(0).integers(0, 256, 64 * BLOCK, dtype=np.uint8).tobytes()

@@ -11,7 +11,7 @@ A rank's part (one ``ShardedStore`` part covering this rank alone) holds:
   index, the key that holds it and whether it is a per-rank leaf (``RankSkeleton``).
 
 Every rank saves its part and tries the commit once (the writer that completes the set of
-parts commits, storage/sharded_store.py). Rank 0 then waits until the step is committed,
+parts commits, storage/committer.py). Rank 0 then waits until the step is committed,
 so that its persist time (what the policy sees) is the global commit latency and its
 report comes only after the commit; a step not committed within ``commit_wait_s`` is a
 ``PersistError`` naming the ranks whose parts are missing.

@@ -25,7 +25,7 @@ from ray_checkfreq.engine.sharded_persist import SKELETON_FORMAT
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage.chunks import Box
-from ray_checkfreq.storage.sharded_manifest import ShardedManifest
+from ray_checkfreq.storage.manifest import GlobalManifest
 from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
 from ray_checkfreq.storage.tree import SkeletonError, leaves_of, skeleton_leaf_refs, unflatten_state
 
@@ -101,14 +101,14 @@ def _skeleton(document: Any, where: str) -> tuple[Any, list[str], set[str]]:
     return document["tree"], [e["key"] for e in leaves], {e["key"] for e in leaves if e["rank"]}
 
 
-def _tensor_of(manifest: ShardedManifest, key: str, where: str) -> Any:
+def _tensor_of(manifest: GlobalManifest, key: str, where: str) -> Any:
     tensor = manifest.tensor(key)
     if tensor is None:
         raise CorruptCheckpointError(where, f"the skeleton names tensor {key!r}, which no part holds")
     return tensor
 
 
-def _check_targets(targets: list[TensorChunk], manifest: ShardedManifest, saved_names: set[str]) -> None:
+def _check_targets(targets: list[TensorChunk], manifest: GlobalManifest, saved_names: set[str]) -> None:
     for chunk in targets:
         tensor = manifest.tensor(chunk.name)
         if tensor is None or chunk.name not in saved_names:

@@ -15,7 +15,7 @@ agent persists it. ``restore()`` runs the restart protocol of ``restart.py``.
 A sharded state (FSDP2 / HSDP / TP: DTensor parameters) needs no other code: every rank
 snapshots its own shards into slots of its own in its node's agent and persists them as its
 part of the step, a step is visible once every part is durable (one global commit,
-``storage/sharded_store.py``), and each sealed slot is copied to the agent of another node
+``storage/committer.py``), and each sealed slot is copied to the agent of another node
 (``shard_copies.py``). A restart at the same world size reads every rank's pieces from RAM
 (its slot, else a peer copy) when all are there, else each rank's boxes of the newest
 complete step from storage, at any world size.

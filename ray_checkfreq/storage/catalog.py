@@ -19,10 +19,10 @@ from typing import Any
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.backends.base import Backend
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError
+from ray_checkfreq.storage.legacy import Manifest, decode_any_manifest
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, GlobalManifest, ManifestError
 from ray_checkfreq.storage.names import parse_checkpoint_dir
 from ray_checkfreq.storage.retention import StoredEntry
-from ray_checkfreq.storage.sharded_manifest import ShardedManifest, decode_any_manifest
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -126,7 +126,7 @@ class Catalog:
             entry.fault = CorruptCheckpointError(location, "manifest disappeared while reading")
             entry.vanished = True
 
-    def decoded(self, name: str, data: bytes) -> Manifest | ShardedManifest:
+    def decoded(self, name: str, data: bytes) -> Manifest | GlobalManifest:
         """The manifest ``data`` of directory ``name``, checked against the name."""
         known = self.manifests.get(name, data)
         if known is not None:
@@ -143,14 +143,14 @@ class Catalog:
         self.manifests.put(name, data, manifest)
         return manifest
 
-    def load_manifest(self, name: str) -> Manifest | ShardedManifest:
+    def load_manifest(self, name: str) -> Manifest | GlobalManifest:
         try:
             data = self.backend.read_small(commit.manifest_path(name))
         except FileNotFoundError:
             raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(name)), "manifest is missing") from None
         return self.decoded(name, data)
 
-    def global_manifest(self, name: str) -> ShardedManifest:
+    def global_manifest(self, name: str) -> GlobalManifest:
         """A manifest of format 3 or 4 (what a part-level reader and a delta base need)."""
         manifest = self.load_manifest(name)
         if isinstance(manifest, Manifest):
@@ -162,8 +162,8 @@ class Catalog:
         """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
         return sorted((e for e in self.scan(settled=settled) if e.committed), key=StoredEntry.order_key)
 
-    def ref(self, name: str, manifest: Manifest | ShardedManifest) -> CheckpointRef:
-        sharded = isinstance(manifest, ShardedManifest)
+    def ref(self, name: str, manifest: Manifest | GlobalManifest) -> CheckpointRef:
+        sharded = isinstance(manifest, GlobalManifest)
         return CheckpointRef(
             step=manifest.step, uri=self.backend.uri(name), epoch_boundary=manifest.epoch_boundary,
             meta=dict(manifest.meta), name=name, created_unix_ns=manifest.created_unix_ns,
@@ -214,7 +214,7 @@ class Catalog:
         raise AssertionError("unreachable")
 
 
-def damage(manifest: Manifest | ShardedManifest, files: Mapping[str, int]) -> str:
+def damage(manifest: Manifest | GlobalManifest, files: Mapping[str, int]) -> str:
     """What a listing shows is wrong with a committed checkpoint's files ('' when nothing)."""
     faults = [f"{name}: data file is missing" if name not in files else
               f"{name}: truncated or grown ({files[name]} bytes, {size} recorded)"
@@ -222,7 +222,7 @@ def damage(manifest: Manifest | ShardedManifest, files: Mapping[str, int]) -> st
     return "; ".join(faults[:4])
 
 
-def missing_files(manifest: Manifest | ShardedManifest, files: Mapping[str, int]) -> list[str]:
+def missing_files(manifest: Manifest | GlobalManifest, files: Mapping[str, int]) -> list[str]:
     return [name for name, size in manifest.expected_files().items() if files.get(name) != size]
 
 

@@ -24,16 +24,17 @@ from ray_checkfreq.errors import CorruptCheckpointError, FencedWriterError, Stor
 from ray_checkfreq.storage import commit, fencing
 from ray_checkfreq.storage.catalog import Catalog, CheckpointRef, CommitResult, missing_files
 from ray_checkfreq.storage.checksum import crc32
-from ray_checkfreq.storage.manifest import MAX_MANIFEST_BYTES, ManifestError
-from ray_checkfreq.storage.retention import StoredEntry
-from ray_checkfreq.storage.sharded_manifest import (
+from ray_checkfreq.storage.manifest import (
+    MAX_MANIFEST_BYTES,
     PART_MANIFEST,
+    GlobalManifest,
+    ManifestError,
     PartManifest,
-    ShardedManifest,
     decode_part,
     encode_global,
     merge_parts,
 )
+from ray_checkfreq.storage.retention import StoredEntry
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -98,7 +99,7 @@ def salvage(catalog: Catalog, generation: int) -> CheckpointRef | None:
     return None
 
 
-def _check_bases(catalog: Catalog, name: str, manifest: ShardedManifest) -> None:
+def _check_bases(catalog: Catalog, name: str, manifest: GlobalManifest) -> None:
     """A delta is only as good as its base: commit only while every base is committed."""
     for base in sorted(manifest.delta_bases):
         if not catalog.existing_commit(base).committed:

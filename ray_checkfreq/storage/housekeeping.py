@@ -27,13 +27,13 @@ from ray_checkfreq.storage import commit, legacy
 from ray_checkfreq.storage.catalog import Catalog
 from ray_checkfreq.storage.encoding import EncodeOptions
 from ray_checkfreq.storage.history import HistoryTrim
-from ray_checkfreq.storage.manifest import Manifest
+from ray_checkfreq.storage.legacy import Manifest
+from ray_checkfreq.storage.manifest import CheckpointAttributes, GlobalManifest
 from ray_checkfreq.storage.names import checkpoint_dir_name
 from ray_checkfreq.storage.part_files import ChunkSource
 from ray_checkfreq.storage.part_writer import ChunkBase, PartContent, PartWriter
+from ray_checkfreq.storage.reader import BoxReader
 from ray_checkfreq.storage.retention import StoredEntry, plan_retention
-from ray_checkfreq.storage.sharded_load import BoxReader
-from ray_checkfreq.storage.sharded_manifest import CheckpointAttributes, ShardedManifest
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -118,7 +118,7 @@ class Housekeeper:
             raise
         logger.info("%s: history checkpoint %s rewritten trimmed as %s", backend.root_uri, entry.name, name)
 
-    def _contents(self, name: str, manifest: Manifest | ShardedManifest, trim: HistoryTrim | None) -> PartContent:
+    def _contents(self, name: str, manifest: Manifest | GlobalManifest, trim: HistoryTrim | None) -> PartContent:
         """A checkpoint's chunks (trimmed with ``trim``) and skeletons as one part's content."""
         change = trim.trim_leaf if trim is not None else (lambda leaf: leaf)
         history = trim.describe(name) if trim is not None else None

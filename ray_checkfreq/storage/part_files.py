@@ -18,8 +18,8 @@ from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.encoding import EncodeOptions, encode_leaf
+from ray_checkfreq.storage.manifest import ChunkRecord, PartFile, part_file_name
 from ray_checkfreq.storage.parallel import map_on_threads
-from ray_checkfreq.storage.sharded_manifest import ChunkRecord, PartFile, part_file_name
 
 ALIGN_BYTES = 64
 _ZEROS = bytes(BLOCK)

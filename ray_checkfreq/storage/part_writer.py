@@ -28,14 +28,14 @@ from ray_checkfreq.storage import commit
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.encoding import EncodeOptions, copy_leaf
-from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, write_part_files
-from ray_checkfreq.storage.sharded_manifest import (
+from ray_checkfreq.storage.manifest import (
     MAX_WORLD_SIZE,
     CheckpointAttributes,
     PartManifest,
     encode_part,
     part_manifest_name,
 )
+from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, write_part_files
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 
 logger = logging.getLogger("ray_checkfreq.storage")

@@ -20,8 +20,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from ray_checkfreq.errors import CorruptCheckpointError
-from ray_checkfreq.storage.manifest import MANIFEST_NAME, Manifest
-from ray_checkfreq.storage.sharded_manifest import ShardedManifest
+from ray_checkfreq.storage.legacy import Manifest
+from ray_checkfreq.storage.manifest import MANIFEST_NAME, GlobalManifest
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -34,7 +34,7 @@ class StoredEntry:
     step: int
     generation: int
     files: dict[str, int]
-    manifest: Manifest | ShardedManifest | None = None  # format 1-2, or 3-4
+    manifest: Manifest | GlobalManifest | None = None  # format 1-2, or 3-4
     fault: CorruptCheckpointError | None = None
     abandoned: bool = False  # its manifest name holds an abandon record (commit.py)
     vanished: bool = False  # its manifest was listed, then gone when read

@@ -7,7 +7,7 @@ and, once committed, the global ``manifest.json``; ``writers/`` holds one marker
 generation (``fencing``). A replicated save (``save``) is one part of whole tensors in a
 directory of its own; a sharded step is one part per writer (``save_part``) in the
 directory every writer of a generation names alike (``dir_name``), committed by
-``try_commit``. Format: ``sharded_manifest``; formats 1-2 are read by ``legacy``.
+``try_commit``. Format: ``manifest``; formats 1-2 are read by ``legacy``.
 
 Invariants (docs/format.md):
 1. The rules of every directory are ``commit.py``'s, the commit ``committer.py``'s, a part's
@@ -55,13 +55,13 @@ from ray_checkfreq.storage.catalog import Catalog, CheckpointRef, CommitResult, 
 from ray_checkfreq.storage.encoding import EncodeOptions
 from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.housekeeping import Housekeeper, Keep
-from ray_checkfreq.storage.manifest import Manifest
+from ray_checkfreq.storage.legacy import Manifest
+from ray_checkfreq.storage.manifest import MAX_CRC_BLOCK, MIN_CRC_BLOCK, CheckpointAttributes, PartManifest
 from ray_checkfreq.storage.names import MAX_STEP, checkpoint_dir_name
 from ray_checkfreq.storage.part_files import ChunkSource, PartLayout
 from ray_checkfreq.storage.part_writer import PartContent, PartWriter, part_content
+from ray_checkfreq.storage.reader import BoxReader
 from ray_checkfreq.storage.retention import StoredEntry, protected_steps_now
-from ray_checkfreq.storage.sharded_load import BoxReader
-from ray_checkfreq.storage.sharded_manifest import MAX_CRC_BLOCK, MIN_CRC_BLOCK, CheckpointAttributes, PartManifest
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 

@@ -25,9 +25,9 @@ from ray_checkfreq.errors import CheckFreqError, FencedWriterError
 from ray_checkfreq.storage import commit, fencing
 from ray_checkfreq.storage.backends import listing
 from ray_checkfreq.storage.backends.base import Backend
+from ray_checkfreq.storage.legacy import decode_any_manifest
 from ray_checkfreq.storage.manifest import MANIFEST_NAME
 from ray_checkfreq.storage.names import parse_checkpoint_dir
-from ray_checkfreq.storage.sharded_manifest import decode_any_manifest
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,25 +25,25 @@ from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.checksum import crc32
 from ray_checkfreq.storage.chunks import Box, ChunkLayoutError, CopyStep, byte_span, fill, plan_copies, span_view
 from ray_checkfreq.storage.encoding import LeafDecodeError, decode_leaf
-from ray_checkfreq.storage.manifest import ManifestError
-from ray_checkfreq.storage.parallel import map_on_threads
-from ray_checkfreq.storage.sharded_manifest import (
+from ray_checkfreq.storage.manifest import (
     ChunkRecord,
+    GlobalManifest,
+    ManifestError,
     PartEntry,
     PartManifest,
-    ShardedManifest,
     TensorIndex,
     decode_part,
     replicated_skeleton,
 )
+from ray_checkfreq.storage.parallel import map_on_threads
 
 
 class BoxReader:
     """Reads target boxes of one checkpoint directory (``dir_name``) described by ``manifest``."""
 
-    def __init__(self, backend: Backend, dir_name: str, manifest: ShardedManifest, *,
+    def __init__(self, backend: Backend, dir_name: str, manifest: GlobalManifest, *,
                  codec_threads: int | None = None,
-                 base_manifest: Callable[[str], ShardedManifest] | None = None, verify: bool = False) -> None:
+                 base_manifest: Callable[[str], GlobalManifest] | None = None, verify: bool = False) -> None:
         self.backend = backend
         self.dir_name = dir_name
         self.manifest = manifest
