@@ -206,3 +206,28 @@ def test_the_trainer_check_sees_a_second_builder(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text("from ray.train.torch import TorchTrainer\ntrainer = TorchTrainer(lambda c: None)\n")
     assert trainer_builders([script]) == ["job.py:2"]
+
+
+# ------------------------------------------------------------------ one store
+def store_type_tests(paths: list[Path]) -> list[str]:
+    """``isinstance`` calls naming a store class: outside ``storage/``, code branches on
+    the state's placement, never on which store it holds (there is one)."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                names = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[1])}
+                if any(name.endswith("Store") for name in names):
+                    found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_storage_tests_the_store_type() -> None:
+    paths = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "storage"]
+    assert store_type_tests(paths) == []
+
+
+def test_the_store_type_check_sees_a_branch(tmp_path: Path) -> None:
+    module = tmp_path / "engine.py"
+    module.write_text("def f(store):\n    if isinstance(store, (dict, storage.ShardedStore)):\n        pass\n")
+    assert store_type_tests([module]) == ["engine.py:2"]

@@ -51,6 +51,7 @@ from ray_checkfreq.engine.state import state_adapter
 from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
 from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.store import as_store
 
 __all__ = ["CHECKPOINT_CAUSES", "PROFILE_NAME", "CheckFreq", "CheckFreqConfig"]
 
@@ -467,7 +468,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _store_for(storage: str | CheckpointStore) -> CheckpointStore:
-    return storage if isinstance(storage, CheckpointStore) else CheckpointStore(storage)
+    return as_store(storage)
 
 
 def _seams_for(seams: EngineSeams | None, sharded: ShardedMode | None) -> EngineSeams:

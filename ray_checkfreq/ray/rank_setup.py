@@ -21,6 +21,7 @@ from ray_checkfreq.ray.metrics import CheckFreqMetrics
 from ray_checkfreq.ray.registration import PointedSteps, Registrar, RegistrationConfig
 from ray_checkfreq.ray.transfer import all_gather_json
 from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.store import as_store
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -57,18 +58,14 @@ def train_context() -> Any:
 
 
 def store_for(storage: str | CheckpointStore | None, context: Any) -> CheckpointStore:
-    if isinstance(storage, CheckpointStore):
-        return storage
     if storage is None:
         run_storage = context.get_storage()
         path = os.path.join(run_storage.experiment_fs_path, "checkfreq")
         return CheckpointStore(path, filesystem=run_storage.storage_filesystem)
-    if not isinstance(storage, str):
-        raise TypeError(f"storage={storage!r}: expected a URI, an absolute path or a CheckpointStore")
-    if not urlparse(storage).scheme and not os.path.isabs(storage):
+    if isinstance(storage, str) and not urlparse(storage).scheme and not os.path.isabs(storage):
         raise ValueError(f"storage={storage!r} is relative: each worker would resolve it in its own working "
                          "directory; give an absolute path or a URI")
-    return CheckpointStore(storage)
+    return as_store(storage)
 
 
 def new_gloo_group(world_size: int) -> Any:

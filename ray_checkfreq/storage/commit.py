@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from ray_checkfreq.errors import StorageError
 from ray_checkfreq.storage import fencing
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.manifest import MANIFEST_NAME
-from ray_checkfreq.storage.names import parse_checkpoint_dir
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -86,13 +85,6 @@ def read_listed_manifest(backend: Backend, name: str) -> bytes:
 def unsettled(uri: str) -> StorageError:
     return StorageError(uri, f"the store kept changing through {SETTLED_RESCANS} listings (checkpoints committed "
                              "and removed faster than one listing): no settled view to answer from")
-
-
-def new_step_dirs(backend: Backend, listed: Iterable[str]) -> bool:
-    """Whether a step directory exists now that a listing did not show: a save began (and
-    maybe committed, and a retention removed what the listing found) while it ran."""
-    known = set(listed)
-    return any(name not in known and parse_checkpoint_dir(name) is not None for name in backend.list_dirs())
 
 
 def manifest_path(name: str) -> str:

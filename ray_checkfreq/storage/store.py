@@ -65,7 +65,7 @@ from ray_checkfreq.storage.retention import StoredEntry, protected_steps_now
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
 from ray_checkfreq.storage.tree import SkeletonError, flatten_state, unflatten_state
 
-__all__ = ["CheckpointRef", "CheckpointStore", "ChunkSource", "CommitResult", "StoreConfig"]
+__all__ = ["CheckpointRef", "CheckpointStore", "ChunkSource", "CommitResult", "StoreConfig", "as_store"]
 
 logger = logging.getLogger("ray_checkfreq.storage")
 
@@ -471,6 +471,15 @@ class CheckpointStore:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def as_store(storage: str | CheckpointStore) -> CheckpointStore:
+    """``storage`` as a store: a store as it is, a URI or path opened with the defaults."""
+    if isinstance(storage, CheckpointStore):
+        return storage
+    if not isinstance(storage, str):
+        raise TypeError(f"storage={storage!r}: expected a URI, a path or a CheckpointStore")
+    return CheckpointStore(storage)
 
 
 def _withdraw_if_fenced(writer: PartWriter, err: Exception, check: Callable[[], None], generation: int) -> None:
