@@ -182,10 +182,10 @@ class Ours(NoCheckpoints):
                  directory: Path, group: Any) -> None:
         from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
         from ray_checkfreq.ray.decisions import BroadcastDecisions
-        from ray_checkfreq.storage.sharded_store import ShardedStore
+        from ray_checkfreq.storage import CheckpointStore
 
         super().__init__(settings.every)
-        store = ShardedStore(str(directory))
+        store = CheckpointStore(str(directory), codec="raw", full_every=1)  # raw parts, as async_save writes
         chosen: list[Any] = [store.acquire_writer() if rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         store.adopt_generation(chosen[0])
@@ -359,9 +359,9 @@ def _restore_ours(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: 
                   group: Any) -> int:
     from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
     from ray_checkfreq.ray.decisions import BroadcastDecisions
-    from ray_checkfreq.storage.sharded_store import ShardedStore
+    from ray_checkfreq.storage import CheckpointStore
 
-    store = ShardedStore(str(variant_dir(root, "ours")))
+    store = CheckpointStore(str(variant_dir(root, "ours")), codec="raw", full_every=1)
     config = CheckFreqConfig(every=settings.every, compress=False)
     if dist.get_world_size() == 1:
         cf = CheckFreq(model=model, optimizer=opt, storage=store, config=config)
@@ -372,8 +372,8 @@ def _restore_ours(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: 
     if rank == 0:
         generation = store.acquire_writer()
         store.salvage()
-        latest = store.latest()
-        chosen = [generation, None if latest is None else latest.step]
+        refs = store.list(placement="sharded")
+        chosen = [generation, refs[-1].step if refs else None]
     dist.broadcast_object_list(chosen, src=0)
     store.adopt_generation(chosen[0])
     decisions = BroadcastDecisions(group, rank)

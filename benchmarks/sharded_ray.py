@@ -33,7 +33,7 @@ PEER_RESTORE_TARGET = 3.0  # restore from a peer copy at least this many times f
 RESTORE_REPEATS = 5
 FIT_TIMEOUT_S = 3600.0
 RESTORE_LABELS = {"slot": "own slot (/dev/shm on its node)", "peer": "peer copy (next node's agent)",
-                  "storage": "storage (ShardedStore, page cache)",
+                  "storage": "storage (page cache)",
                   "storage cold": "storage, page cache dropped (as on a new node)"}
 
 
