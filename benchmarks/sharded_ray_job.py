@@ -141,7 +141,7 @@ def _time_restores(cf: Any, settings: Settings, restores: dict, step: int, sourc
 
     fresh, fresh_opt = build(settings, seed=1)
     decisions = BroadcastDecisions(restores["group"], cf.rank)
-    engine = Engine(model=fresh, optimizer=fresh_opt, storage=cf.parts,
+    engine = Engine(model=fresh, optimizer=fresh_opt, storage=cf.store,
                     config=CheckFreqConfig(every=settings.every, compress=False),
                     seams=EngineSeams(decisions=decisions))
     timed: dict[str, list[float]] = {kind: [] for kind in RESTORE_KINDS}
@@ -180,7 +180,7 @@ def _restore_sources(cf: Any) -> tuple[int, dict]:
              if h["owner"] == cf.rank and h["state"] == SLOT_COMPLETE and h["run"] == cf.run}
     copies = {int(c["step"]): c for c in ray.get(agents[holder].peer_headers.remote(), timeout=60)
               if c["owner"] == cf.rank and c["run"] == cf.run} if holder is not None else {}
-    committed = {ref.step for ref in cf.parts.list()}
+    committed = {ref.step for ref in cf.store.list(placement="sharded")}
     mine = {"slot": sorted(slots), "peer": sorted(copies), "storage": sorted(committed)}
     everyone: list[Any] = [None] * cf.world_size
     dist.all_gather_object(everyone, mine)

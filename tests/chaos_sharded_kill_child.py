@@ -31,7 +31,7 @@ import numpy as np
 from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.errors import FencedWriterError, StorageError
-from ray_checkfreq.storage import commit
+from ray_checkfreq.storage import commit, part_writer
 from ray_checkfreq.storage.chunks import whole
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, PART_FILE, PART_MANIFEST, ManifestError, decode_part
 from ray_checkfreq.storage.names import parse_checkpoint_dir
@@ -118,10 +118,11 @@ def trace_phases(store: CheckpointStore, phases: Any, rank: int) -> None:
         return run
 
     store.save_part = traced(store.save_part, SAVE)  # type: ignore[method-assign]
-    store._write_data = traced(store._write_data, DATA)  # type: ignore[method-assign]
+    part_writer.write_part_files = traced(part_writer.write_part_files, DATA)  # this process's own module
     store.backend.create_exclusive = traced(store.backend.create_exclusive, None)  # type: ignore[method-assign]
     store.try_commit = traced(store.try_commit, COMMIT)  # type: ignore[method-assign]
-    store._housekeeping = traced(store._housekeeping, HOUSEKEEPING)  # type: ignore[method-assign]
+    housekeeper = store._housekeeper
+    housekeeper.after_commit = traced(housekeeper.after_commit, HOUSEKEEPING)  # type: ignore[method-assign]
 
 
 def write_steps(root: str, generation: int, rank: int, start: int, steps: int | None, seed: int, phases: Any,

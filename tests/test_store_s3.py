@@ -150,7 +150,10 @@ def test_a_save_lists_the_prefix_a_fixed_number_of_times_however_many_checkpoint
         requests = proxy.requests[before:]
     lists = [path for method, path in requests if method == "GET" and "list-type=2" in path]
     manifest_reads = [path for method, path in requests if "manifest.json" in path and method in ("GET", "HEAD")]
-    # a scan before and after the commit, the writer markers (before and after the create), the new
-    # directory (before the create), one removal (its files, then what is left of the prefix)
-    assert len(lists) <= 7, lists
-    assert len(manifest_reads) == 8  # retention: one GET per committed manifest (7 kept + the new one), no HEAD
+    # a scan before the save and one after the commit, the writer markers (before the part manifest,
+    # before and after the create), the new directory and its delta base's (before the create), one
+    # removal (its files, then what is left of the prefix)
+    assert len(lists) <= 9, lists
+    # retention: one GET per committed manifest (7 kept + the new one), no HEAD; and the delta base's
+    # twice (is it there, before the part is written; still committed, before the create)
+    assert len(manifest_reads) == 10

@@ -191,6 +191,14 @@ class Catalog:
             raise entry.fault
         return self.ref(entry.name, entry.manifest)
 
+    def manifest_stands(self, name: str) -> bool:
+        """Whether directory ``name`` holds a manifest (not an abandon record): one read,
+        no listing. A hint (is a delta base still there?); the commit checks for itself."""
+        try:
+            return not commit.is_abandon_record(self.backend.read_small(commit.manifest_path(name)))
+        except FileNotFoundError:
+            return False
+
     def existing_commit(self, name: str) -> CommitResult:
         """Directory ``name`` as another writer left it: committed only where its manifest
         reads and every file it lists is there; an abandon record or a removed manifest is

@@ -94,13 +94,13 @@ class PartWriter:
 
     def write(self, name: str, generation: int, content: PartContent, options: EncodeOptions,
               base: ChunkBase | None, check_fence: Callable[[], None], *, track: bool = True) -> PartManifest:
-        """Write ``content`` as a part of directory ``name``, durable on return; on failure
+        """Write ``content`` as a part of directory ``name``, durable on return, checking
+        the fence right before the part manifest (the caller checked it before); on failure
         remove what it wrote (invariant 2). ``track``: a part of this writer's run (its
         deltas' base follows it), not a one-off copy."""
         written: list[str] = []
         part_tried = False
         try:
-            check_fence()
             self._ensure_dir(name)
             files, records = write_part_files(self.backend, name, content.ranks[0], uuid.uuid4().hex[:8],
                                               content.chunks, options, self.layout, written,

@@ -262,12 +262,12 @@ class CheckpointStore:
             fencing.check_fence(self.backend, generation, newest)
             name = checkpoint_dir_name(step, generation, uuid.uuid4().hex[:8])
             try:
-                base = self._writer.usable_base(options, self._is_committed)
+                base = self._writer.usable_base(options, self._catalog.manifest_stands)
                 self._writer.write(name, generation, content, options, base,
                                    lambda: fencing.check_fence(self.backend, generation))
                 if raw_crc32 is None:  # checksummed here: known good (given ones are checked at the load)
                     self._verified.add(name)
-                result = self._commit(name, step, generation, may_create=True)
+                result = self._commit(name, step, generation, may_create=True, fenced_before=False)
             except BaseException as err:
                 self._verified.discard(name)
                 commit.discard(self.backend, name, generation)
@@ -293,7 +293,8 @@ class CheckpointStore:
         with self._lock:
             check = lambda: fencing.check_fence(self.backend, generation)  # noqa: E731
             try:
-                base = self._writer.usable_base(options, self._is_committed)
+                check()
+                base = self._writer.usable_base(options, self._catalog.manifest_stands)
                 return self._writer.write(self.dir_name(step), generation, content, options, base, check)
             except Exception as err:
                 _withdraw_if_fenced(self._writer, err, check, generation)
@@ -307,7 +308,7 @@ class CheckpointStore:
         name = self.dir_name(step)
         with self._lock:
             may_create = self.backend.atomic_exclusive_create or self._writer.owns_rank_zero(name)
-            return self._commit(name, step, generation, may_create=may_create)
+            return self._commit(name, step, generation, may_create=may_create, fenced_before=True)
 
     def salvage(self) -> CheckpointRef | None:
         """Commit the newest complete but uncommitted directory of an older generation (its
@@ -317,10 +318,14 @@ class CheckpointStore:
         with self._lock:
             return committer.salvage(self._catalog, generation)
 
-    def _commit(self, name: str, step: int, generation: int, *, may_create: bool) -> CommitResult:
+    def _commit(self, name: str, step: int, generation: int, *, may_create: bool,
+                fenced_before: bool) -> CommitResult:
+        """``fenced_before``: a fenced writer withdraws before it lists (a sharded poll); a
+        one-part save checked the fence right before its part manifest."""
         check = lambda: fencing.check_fence(self.backend, generation)  # noqa: E731
         try:
-            check()
+            if fenced_before:
+                check()
             result = committer.commit_dir(self._catalog, name, step, generation, fence=generation,
                                           may_create=may_create)
         except Exception as err:
@@ -335,9 +340,6 @@ class CheckpointStore:
             except (CheckFreqError, OSError) as err:  # the next commit's housekeeping retries
                 logger.warning("%s committed; removing older checkpoints failed: %s", self.backend.uri(name), err)
         return result
-
-    def _is_committed(self, name: str) -> bool:
-        return self._catalog.existing_commit(name).committed
 
     def delete(self, ref_or_step: CheckpointRef | int) -> None:
         """Delete one committed checkpoint (manifest first)."""

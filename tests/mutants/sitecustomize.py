@@ -28,14 +28,13 @@ def _restore_previous_factory(restore):
             return 0  # only one checkpoint step: restore nothing, so the mutant is always wrong
         store, chosen = self.store, older[-1]
         # hide the newer checkpoints from this CheckFreq's own store object only
-        store.list = lambda: older[:]
+        store.list = lambda **filters: older[:]
         store.latest = lambda: chosen
-        store._newest_first = lambda: iter(reversed(older))
         store.load = lambda ref_or_step=None: type(store).load(store, chosen if ref_or_step is None else ref_or_step)
         try:
             return restore(self)
         finally:
-            for name in ("list", "latest", "_newest_first", "load"):
+            for name in ("list", "latest", "load"):
                 vars(store).pop(name, None)
 
     return restore_previous
