@@ -195,7 +195,8 @@ class CheckFreq:
         if mode.world_size > 1:
             raise RuntimeError(
                 f"CheckFreq.restore() in sharded mode with {mode.world_size} ranks: every rank must load the same "
-                "step, so the caller chooses it (rank 0: store.acquire_writer(), store.salvage(), store.latest(); "
+                "step, so the caller chooses it (rank 0: store.acquire_writer(), store.salvage(), the newest of "
+                "store.list(placement=\"sharded\"); "
                 "it hands the step and its writer generation to the others, which call "
                 "store.adopt_generation(g)) and every rank calls cf.load_sharded(step)")
         store.acquire_writer()

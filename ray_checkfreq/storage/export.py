@@ -59,8 +59,8 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def export_checkpoint(store: Any, step: int | None, target: str, *, precision_factor: int | float | None = None,
-                      precision_bits: int | None = None) -> str:
+def export_checkpoint(store: CheckpointStore, step: int | None, target: str, *,
+                      precision_factor: int | float | None = None, precision_bits: int | None = None) -> str:
     """Write checkpoint ``step`` (None: newest valid) of ``store`` to ``target``.
 
     ``precision_factor`` / ``precision_bits`` (one or the other): floating tensors are
@@ -361,10 +361,11 @@ def _nbytes(tensor: TensorIndex) -> int:
 def export_store(store: CheckpointStore, step: int | None, target: str, *,
                  fmt: str | None = None, precision_factor: int | float | None = None,
                  precision_bits: int | None = None) -> str:
-    """Export checkpoint ``step`` (None: the newest) of the root both stores open, in the
-    format of what the root holds: a sharded (format 3) checkpoint by ``export_sharded``,
-    a format 1/2 one by ``export.export_checkpoint``. ``fmt``: "dcp", "safetensors", "pt"
-    or None (from the name of ``target``)."""
+    """Export checkpoint ``step`` (None: the newest) of ``store``: a sharded one by its
+    parts (``export_dcp``, ``export_gathered``), a replicated one as its state
+    (``export_checkpoint``), any of format 3 and later by its parts as DCP. ``fmt``: "dcp",
+    "safetensors", "pt" or None (from the name of ``target``). Every bad argument is
+    refused before anything is read."""
     fmt = fmt or ("pt" if target.endswith(".pt") else "safetensors")
     if fmt not in ("dcp", "safetensors", "pt"):
         raise ValueError(f"--format {fmt!r}: expected dcp, safetensors or pt")
@@ -372,14 +373,15 @@ def export_store(store: CheckpointStore, step: int | None, target: str, *,
         check_file_target(target)
         if not target.endswith(f".{fmt}"):
             raise ValueError(f"--to {target!r}: --format {fmt} writes a .{fmt} file")
-    if precision_factor is not None or precision_bits is not None:  # refused before anything is read
+    if precision_factor is not None or precision_bits is not None:
         if fmt == "dcp":
             raise ValueError("--format dcp: near-lossless trimming (--precision-*) is for .safetensors / .pt only")
         codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
     ref = find_parted(store, step, replicated=fmt == "dcp")
+    if ref is not None and fmt == "dcp":
+        return export_dcp(store, ref, target)
     if ref is not None:
-        return export_sharded(store, ref, target, fmt=fmt, precision_factor=precision_factor,
-                              precision_bits=precision_bits)
+        return export_gathered(store, ref, target, precision_factor=precision_factor, precision_bits=precision_bits)
     if fmt == "dcp":
         what = "the newest checkpoint" if step is None else f"step {step}"
         raise ValueError(f"{store.uri}: {what} is a format 1 or 2 checkpoint; --format dcp exports "
@@ -387,16 +389,4 @@ def export_store(store: CheckpointStore, step: int | None, target: str, *,
     return export_checkpoint(store, step, target, precision_factor=precision_factor, precision_bits=precision_bits)
 
 
-def export_sharded(store: CheckpointStore, ref: CheckpointRef, target: str, *, fmt: str,
-                   precision_factor: int | float | None = None, precision_bits: int | None = None) -> str:
-    """``fmt``: "dcp" (``target`` a directory), "safetensors" or "pt"."""
-    if fmt == "dcp":
-        if precision_factor is not None or precision_bits is not None:
-            raise ValueError("--format dcp: near-lossless trimming (--precision-*) is for .safetensors / .pt only")
-        return export_dcp(store, ref, target)
-    if precision_factor is not None or precision_bits is not None:  # refused before anything is read
-        codec.trim(torch.zeros(1), precision_factor=precision_factor, precision_bits=precision_bits)
-    return export_gathered(store, ref, target, precision_factor=precision_factor, precision_bits=precision_bits)
-
-
-__all__ = ["dcp_fqn", "export_dcp", "export_gathered", "export_sharded", "export_store", "find_parted"]
+__all__ = ["dcp_fqn", "export_checkpoint", "export_dcp", "export_gathered", "export_store", "find_parted"]

@@ -1,8 +1,5 @@
-"""Small JSON documents beside the checkpoints (a cached profile, say), for every store kind.
-
-``CheckpointStore`` and ``ShardedStore`` both keep them at the root of their URI with the
-same name rules and the same bounded parser: one implementation, here.
-"""
+"""Small JSON documents beside the checkpoints (a cached profile, say): at the root of the
+store's URI, with name rules and a bounded parser of their own."""
 
 from __future__ import annotations
 
