@@ -174,3 +174,13 @@ def test_the_simulated_listing_skips_a_file_that_vanishes_between_the_read_and_i
     scheduler.run()
     assert seen == {"a": 2, "c": 2}
     assert [label for _, _, label in scheduler.trace][:2] == ["readdir d", "stat d/a"]
+
+
+def test_a_one_part_save_whose_directory_a_newer_writer_claimed_is_fenced_by_name():
+    """Seed 10000214 of the long run's workload: a newer generation's housekeeping takes the
+    manifest name of an older writer's one-part save (an abandon record) before its commit.
+    The save must end fenced, not with a StorageError (invariant (c))."""
+    config = SimConfig(workload=Workload(store="replicated", generations=2, steps=2, readers=1, max_world=2))
+    outcome = run_schedule(10000214, config)
+    assert outcome.violations == (), report(outcome, config)
+    assert any("leader1" in actor for _, actor, _ in outcome.trace)

@@ -268,13 +268,14 @@ class CheckpointStore:
                 if raw_crc32 is None:  # checksummed here: known good (given ones are checked at the load)
                     self._verified.add(name)
                 result = self._commit(name, step, generation, may_create=True, fenced_before=False)
+                if not result.by_me or result.ref is None:  # an abandon record took the name, or a salvage
+                    raise StorageError(self.backend.uri(name), "not committed by this save: the manifest name "
+                                       "was taken first (a newer writer? two writers of one generation?)")
             except BaseException as err:
                 self._verified.discard(name)
                 commit.discard(self.backend, name, generation)
                 fencing.raise_if_fenced(err, lambda: fencing.check_fence(self.backend, generation))
                 raise
-        if not result.by_me or result.ref is None:
-            raise StorageError(self.backend.uri(name), "a manifest is there already: two writers share a generation?")
         return result.ref
 
     def save_part(self, step: int, *, world_size: int, skeletons: Mapping[int, Any],
