@@ -39,6 +39,7 @@ from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.store import CheckpointStore, ChunkSource
+from ray_checkfreq.storage.tree import leaves_of
 
 EVERY = 3
 KILLED_AT = 9  # every rank of the crashed run is SIGKILLed right after this iteration's cf.step()
@@ -305,6 +306,23 @@ def test_restore_at_three_ranks_equals_the_saved_state(runs: Path) -> None:
 def test_restore_at_one_rank_loads_the_newest_complete_step(runs: Path) -> None:
     assert json.loads((runs / "reshard-w1.json").read_text())[0]["start"] == 9  # not SKIPPED: a part lacks
     _assert_same(jobs.load_arrays(runs / "state-w1.npz"), jobs.load_arrays(runs / "state-9.npz"))
+
+
+def test_a_sharded_step_loads_whole_in_one_process_and_into_a_plain_model(runs: Path) -> None:
+    """FSDP2 to a plain model: ``CheckpointStore.load`` gathers a sharded step, every model
+    and optimizer tensor whole and equal to the full state the run had at that step."""
+    store = CheckpointStore(str(runs / "run"))
+    steps = {ref.step for ref in store.list(placement="sharded")}
+    step = max(steps & set(RECORDED))
+    state = store.load(step)
+    expected = jobs.load_arrays(runs / f"state-{step}.npz")
+    kept = {key: state[key] for key in ("model", "optimizer")}
+    found = {name: np.asarray(leaf) for _, name, leaf in leaves_of(kept)}
+    _assert_same(found, {name: value for name, value in expected.items() if not name.startswith("sched/")})
+    plain = jobs.Net().double()  # the same module, not sharded
+    plain.load_state_dict(state["model"])
+    assert all(torch.equal(plain.state_dict()[name], state["model"][name]) for name in state["model"])
+    assert store.latest() is None  # latest() and load() with no step: what a replica restores, never a sharded step
 
 
 def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None:

@@ -27,10 +27,10 @@ from typing import Any
 from ray_checkfreq.engine.persist import PERSIST_NICE, PersistError, PersistResult, PersistThread, Saved
 from ray_checkfreq.engine.snapshot import Snapshot
 from ray_checkfreq.engine.state import ChunkPlace
+from ray_checkfreq.storage.rank_state import SKELETON_FORMAT
 from ray_checkfreq.storage.store import CheckpointStore, ChunkSource, CommitResult
 from ray_checkfreq.storage.tree import KeyPath, flatten_state
 
-SKELETON_FORMAT = 1
 _FIRST_POLL_S = 0.005
 _LONGEST_POLL_S = 0.05  # rank 0 learns of the commit late by at most this: its next checkpoint may wait for it
 

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from ray_checkfreq.engine.restore import RestoreMismatchError
-from ray_checkfreq.engine.sharded_persist import SKELETON_FORMAT
 from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage.chunks import Box
 from ray_checkfreq.storage.manifest import GlobalManifest
+from ray_checkfreq.storage.rank_state import parse_rank_skeleton
 from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
-from ray_checkfreq.storage.tree import SkeletonError, leaves_of, skeleton_leaf_refs, unflatten_state
+from ray_checkfreq.storage.tree import leaves_of, unflatten_state
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     reader = store.reader(ref)
     manifest = reader.manifest
     source = rank if rank < manifest.world_size else 0
-    tree, keys, per_rank = _skeleton(reader.skeletons([source])[source], ref.uri)
+    tree, keys, per_rank = parse_rank_skeleton(reader.skeletons([source])[source], ref.uri)
     targets = adapter.restore_targets()
     boxes = {chunk.name: chunk.box for chunk in targets}
     _check_targets(targets, manifest, set(keys) - per_rank)
@@ -83,24 +83,6 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     return RankState(state=state, saved_world_size=manifest.world_size, source_rank=source)
 
 
-def _skeleton(document: Any, where: str) -> tuple[Any, list[str], set[str]]:
-    """(tree, key of each leaf, the per-rank keys) of a rank's skeleton document."""
-    if not isinstance(document, Mapping) or document.get("format") != SKELETON_FORMAT \
-            or not isinstance(document.get("leaves"), list):
-        raise CorruptCheckpointError(where, f"not a skeleton of format {SKELETON_FORMAT} (the engine's sharded mode)")
-    leaves = document["leaves"]
-    if not all(isinstance(e, Mapping) and isinstance(e.get("key"), str) and isinstance(e.get("rank"), bool)
-               for e in leaves):
-        raise CorruptCheckpointError(where, "skeleton leaves: expected {'key': str, 'rank': bool} entries")
-    try:
-        refs = skeleton_leaf_refs(document.get("tree"))
-    except SkeletonError as err:
-        raise CorruptCheckpointError(where, f"skeleton: {err}") from None
-    if sorted(index for _, index in refs) != list(range(len(leaves))):
-        raise CorruptCheckpointError(where, f"skeleton: {len(refs)} leaf references for {len(leaves)} leaves")
-    return document["tree"], [e["key"] for e in leaves], {e["key"] for e in leaves if e["rank"]}
-
-
 def _tensor_of(manifest: GlobalManifest, key: str, where: str) -> Any:
     tensor = manifest.tensor(key)
     if tensor is None:
@@ -119,29 +101,6 @@ def _check_targets(targets: list[TensorChunk], manifest: GlobalManifest, saved_n
     extra = saved_names - {chunk.name for chunk in targets}
     if extra:
         raise RestoreMismatchError(sorted(extra)[0], "in the checkpoint but not in the model or optimizer")
-
-
-def load_gathered(store: CheckpointStore, step: int | None = None) -> dict[str, Any]:
-    """The whole state of a sharded checkpoint in this process, as ``CheckpointStore.load``
-    gives a replica's: every model and optimizer tensor gathered whole (ranged reads of its
-    chunks), RNG, extra and data state as rank 0 saved them. It holds the whole state in
-    memory: for inspection and single-process use, not for a restore (``load_sharded``)."""
-    refs = store.list(placement="sharded")
-    ref = (refs[-1] if refs else None) if step is None else find_ref(store, step)
-    if ref is None:
-        raise CheckpointNotFoundError(f"no complete sharded checkpoint in {store.uri}")
-    reader = store.reader(ref)
-    manifest = reader.manifest
-    tree, keys, _ = _skeleton(reader.skeletons([0])[0], ref.uri)
-    wanted: dict[str, list[Box]] = {}
-    for key in dict.fromkeys(keys):
-        shape = tuple(_tensor_of(manifest, key, ref.uri).global_shape)
-        wanted[key] = [Box((0,) * len(shape), shape)]
-    loaded = reader.load_boxes(wanted)
-    try:
-        return unflatten_state(tree, [loaded[key][0] for key in keys])
-    except SkeletonError as err:
-        raise CorruptCheckpointError(ref.uri, f"skeleton: {err}") from None
 
 
 # ------------------------------------------------------------- a rank's own snapshot

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray_checkfreq.engine.sharded_restore import load_gathered
 from ray_checkfreq.errors import LocatedError
 from ray_checkfreq.ray.transfer import broadcast_json
 from ray_checkfreq.storage import CheckpointStore
@@ -206,8 +205,6 @@ def load(checkpoint: Any, *, store: CheckpointStore | None = None) -> dict:
     pointer = read_pointer(filesystem, path)
     if store is None:
         store = CheckpointStore(pointer.store_uri, filesystem=filesystem if pointer.run_filesystem else None)
-    if any(ref.step == pointer.step for ref in store.list(placement="sharded")):
-        return load_gathered(store, pointer.step)  # a sharded (FSDP2) run's step, gathered whole here
     return store.load(pointer.step)
 
 

@@ -60,6 +60,7 @@ from ray_checkfreq.storage.manifest import MAX_CRC_BLOCK, MIN_CRC_BLOCK, Checkpo
 from ray_checkfreq.storage.names import MAX_STEP, checkpoint_dir_name
 from ray_checkfreq.storage.part_files import ChunkSource, PartLayout
 from ray_checkfreq.storage.part_writer import PartContent, PartWriter, part_content
+from ray_checkfreq.storage.rank_state import gathered_state
 from ray_checkfreq.storage.reader import BoxReader
 from ray_checkfreq.storage.retention import StoredEntry, protected_steps_now
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
@@ -395,10 +396,14 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
     def load(self, ref_or_step: CheckpointRef | int | None = None) -> dict:
-        """The state of a checkpoint; ``None`` = newest valid one, falling back past faults.
+        """The state of a checkpoint; ``None`` = newest valid replicated one, falling back
+        past faults.
 
         Every byte is checked against the manifest's checksums as it is read; a
-        checkpoint asked for by ref or step is not substituted when it is corrupt.
+        checkpoint asked for by ref or step is not substituted when it is corrupt. A
+        sharded one asked for comes gathered: every model and optimizer tensor whole (its
+        ``"model"`` loads into a plain model), RNG, extra and data state as rank 0 saved
+        them, all in this process's memory.
         """
         if ref_or_step is not None:
             return self._read(self._catalog.find(ref_or_step))
@@ -447,10 +452,10 @@ class CheckpointStore:
             leaves = legacy.read_leaves(self.backend, ref.name, manifest,
                                         (self.config.io_threads, self.config.codec_threads), build=True,
                                         check_stored=check_stored)
-        elif manifest.attributes.placement != "replicated":
-            raise CorruptCheckpointError(self.backend.uri(commit.manifest_path(ref.name)), "a sharded checkpoint "
-                                         "(one part per rank): restore it through the engine or export it "
-                                         "(ray-checkfreq export)")
+        elif manifest.attributes.placement != "replicated":  # gathered whole, as one replica's state
+            state = gathered_state(self.reader(ref, verify=check_stored), ref.uri)
+            self._verified.add(ref.name)
+            return state
         else:
             reader = self.reader(ref, verify=check_stored)
             skeleton, _, chunks = reader.whole_state()
