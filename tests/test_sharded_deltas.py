@@ -13,10 +13,12 @@ from store_helpers import part_store
 
 from ray_checkfreq.errors import CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import commit
+from ray_checkfreq.storage.arrays import leaf_bytes
 from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_global, decode_part
 from ray_checkfreq.storage.store import CheckpointStore
-from tests.test_sharded_store import assert_loads, chunks_of, full_state, save
+from tests.test_sharded_store import assert_loads, chunks_of, full_state, piece, rank_boxes, save
 
 WORLD = 2
 
@@ -198,3 +200,34 @@ def test_format_3_manifests_still_decode(tmp_path):
     assert manifest.parts[0].delta_base is None
     got = part_store(str(tmp_path)).reader(1).load_boxes({"optim/v": [Box((0,), (10,))]})["optim/v"][0]
     assert np.array_equal(np.asarray(got), drifted(1)["optim/v"])
+
+
+def test_a_sharded_epoch_boundary_is_kept_near_lossless_as_one_part_of_every_rank(tmp_path):
+    """History trimming in the sharded placement: the committer rewrites an old epoch
+    boundary trimmed, as one part covering every rank (same chunks, same skeletons), commits
+    the copy, then deletes the exact one."""
+    trim = HistoryTrim(precision_factor=2 ** 10)
+    writers = stores(tmp_path, full_every=1, keep_last=1, history_trim=trim)
+    for step in (1, 2, 3):
+        for rank, writer in enumerate(writers):
+            skeleton = {rank: {"rng": [rank, step]}}
+            writer.save_part(step, world_size=WORLD, skeletons=skeleton, epoch_boundary=step == 1,
+                             chunks=chunks_of(drifted(step), [rank], WORLD))
+        assert any(writer.try_commit(step).by_me for writer in writers)
+    refs = writers[0].list()
+    assert [(ref.step, ref.trimmed, ref.placement, ref.world_size) for ref in refs] == \
+        [(1, True, "sharded", WORLD), (3, False, "sharded", WORLD)]
+    reader = writers[0].reader(refs[0])
+    assert [(part.name, part.ranks) for part in reader.manifest.parts] == [("part-r00000.json", (0, 1))]
+    assert reader.skeletons() == {0: {"rng": [0, 1]}, 1: {"rng": [1, 1]}}
+    rounded = 0
+    for key, value in drifted(1).items():  # each chunk trimmed by itself, as each rank's piece
+        for box in rank_boxes(key, tuple(value.shape), WORLD):
+            got = reader.load_boxes({key: [box]})[key][0]
+            want = trim.trim_leaf(piece(value, box))
+            rounded += leaf_bytes(want) != leaf_bytes(piece(value, box))
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got, want), key
+            else:
+                np.testing.assert_array_equal(got, want)
+    assert rounded > 0  # the copy is not the exact checkpoint

@@ -622,8 +622,6 @@ def _attributes(body: dict) -> CheckpointAttributes:
     trim = body.get("history_trim")
     if trim is not None:
         trim = parse_history_trim(trim)
-        if placement != "replicated":
-            raise ManifestError("history_trim in a sharded checkpoint (history copies are replicated)")
     return CheckpointAttributes(placement=placement, meta=_field(body, "meta", dict), history_trim=trim)
 
 
