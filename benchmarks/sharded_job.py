@@ -8,6 +8,7 @@ process's VmHWM after resetting it (``/proc/self/clear_refs``) right before each
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shutil
@@ -75,6 +76,7 @@ def spawn(job: Any, world: int, root: Path) -> None:
 
 
 def _entry(rank: int, world: int, init_method: str, job: Any, root: str) -> None:
+    faulthandler.enable()  # a native crash in a rank prints every thread's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
