@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from store_helpers import newest_sharded, part_store
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams, PersistError
+from ray_checkfreq.engine.restore import RestoreMismatchError, optimizer_by_name, optimizer_by_number, parameter_names
 from ray_checkfreq.engine.rng import seed_new_rank, set_own_rng
 from ray_checkfreq.engine.seams import local_rng_state
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker, rank_part
@@ -241,7 +242,95 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
     cf.close()
 
 
+def from_replicated_job(rank: int, world: int, root: Path) -> None:
+    """FSDP2 on 2 ranks resumes from the replicated checkpoint a plain run wrote, with other
+    weights, learning rate and RNG first, then trains EVERY iterations more."""
+    model, opt, sched = _training(seed=999, lr=0.5)
+    torch.manual_seed(444 + rank)
+    store = part_store(str(root / "plain"))
+    chosen: list[Any] = [None, None]
+    if rank == 0:
+        chosen = [store.acquire_writer(), store.list()[-1].step]
+    dist.broadcast_object_list(chosen, src=0)
+    store.adopt_generation(chosen[0])
+    cf, decisions = _engine(model, opt, sched, store, rank)
+    start = cf.load_sharded(chosen[1])
+    _gather_rng(root / "rng-from-plain.json", rank, world)
+    jobs.save_full(root / "state-from-plain.npz", rank, model, opt, sched)
+    for it in range(start, start + EVERY):
+        _iteration(model, opt, sched, it, rank, world)
+        cf.step()
+    _gather_rng(root / "rng-sharded-end.json", rank, world)
+    jobs.save_full(root / "state-sharded-end.npz", rank, model, opt, sched)
+    cf.close()
+    decisions.close()
+    jobs.gather_json(root / "from-plain.json", rank, world, {"start": start})
+
+
+def _plain_training(seed: int, lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = jobs.Net().double()
+    opt = jobs.optimizer_of(model, lr=lr)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+
+
+def _plain_named_state(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, np.ndarray]:
+    """A plain model's state named as ``jobs.full_state`` names an FSDP2 model's."""
+    named = optimizer_by_name(opt.state_dict(), parameter_names(model, opt))
+    found = {name: leaf.numpy().copy() for _, name, leaf in leaves_of({"model": model.state_dict(),
+                                                                        "optimizer": named})}
+    return {**found, "sched/last_epoch": np.array(sched.last_epoch)}
+
+
 # ------------------------------------------------------------------ the runs
+@pytest.fixture(scope="module")
+def across_placements(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain run (one process) checkpoints to 2 * EVERY, an FSDP2 run of 2 ranks resumes
+    from it and checkpoints EVERY more (a sharded step in the same store), and a plain
+    ``restore()`` then resumes from that sharded step."""
+    root = tmp_path_factory.mktemp("across-placements")
+    model, opt, sched = _plain_training(seed=0, lr=1e-2)
+    cf = CheckFreq(model=model, optimizer=opt, storage=part_store(str(root / "plain")),
+                   extra_state={"sched": sched}, every=EVERY, compress=False)
+    for it in range(2 * EVERY):
+        _iteration(model, opt, sched, it, 0, 1)
+        cf.step()
+    cf.close()
+    jobs.save_arrays(root / "state-plain.npz", _plain_named_state(model, opt, sched))
+    (root / "rng-plain.json").write_text(json.dumps(torch.get_rng_state().tolist()))
+    jobs.spawn(from_replicated_job, 2, str(root))
+    model, opt, sched = _plain_training(seed=5, lr=0.5)
+    cf = CheckFreq(model=model, optimizer=opt, storage=part_store(str(root / "plain")),
+                   extra_state={"sched": sched}, every=EVERY, compress=False)
+    start = cf.restore()
+    jobs.save_arrays(root / "state-plain-again.npz", _plain_named_state(model, opt, sched))
+    (root / "plain-again.json").write_text(json.dumps({"start": start, "rng": torch.get_rng_state().tolist()}))
+    cf.close()
+    return root
+
+
+def test_a_replicated_checkpoint_loads_into_fsdp2_ranks(across_placements: Path) -> None:
+    """Each of 2 FSDP2 ranks reads its boxes of the plain run's whole tensors; the numbered
+    optimizer state lands under the parameters' names, the scheduler and RNG come back."""
+    root = across_placements
+    assert [r["start"] for r in json.loads((root / "from-plain.json").read_text())] == [2 * EVERY] * 2
+    _assert_same(jobs.load_arrays(root / "state-from-plain.npz"), jobs.load_arrays(root / "state-plain.npz"))
+    rng = json.loads((root / "rng-plain.json").read_text())
+    assert json.loads((root / "rng-from-plain.json").read_text()) == [rng, rng]  # one process's, on every rank
+
+
+def test_a_sharded_checkpoint_resumes_a_plain_model_with_its_optimizer(across_placements: Path) -> None:
+    """Back: the plain ``restore()`` takes the newest step, the FSDP2 run's sharded one,
+    gathered whole, optimizer state numbered again, rank 0's RNG."""
+    root = across_placements
+    store = part_store(str(root / "plain"))
+    assert [(ref.step, ref.placement) for ref in store.list()] == [(2 * EVERY, "replicated"), (3 * EVERY, "sharded")]
+    again = json.loads((root / "plain-again.json").read_text())
+    assert again["start"] == 3 * EVERY
+    _assert_same(jobs.load_arrays(root / "state-plain-again.npz"), jobs.load_arrays(root / "state-sharded-end.npz"))
+    assert again["rng"] == json.loads((root / "rng-sharded-end.json").read_text())[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("engine-sharded")
@@ -545,3 +634,24 @@ def test_rank0_polls_the_commit_backing_off_to_50_ms_and_names_the_missing_ranks
             worker._wait_for_commit(7, never.try_commit(7))
     finally:
         worker.close()
+
+
+def test_optimizer_state_is_renamed_by_place_and_a_mismatch_is_named() -> None:
+    model, opt, sched = _plain_training(seed=0, lr=1e-2)
+    _iteration(model, opt, sched, 0, 0, 1)
+    names = parameter_names(model, opt)
+    assert names == [[name for name, _ in model.named_parameters()]]
+    numbered = opt.state_dict()
+    named = optimizer_by_name(numbered, names)
+    assert sorted(named["state"]) == sorted(names[0]) and named["param_groups"][0]["params"] == names[0]
+    assert torch.equal(named["state"]["out.bias"]["exp_avg"], opt.state[model.out.bias]["exp_avg"])
+    back = optimizer_by_number(named, names)
+    assert back["param_groups"] == numbered["param_groups"] and sorted(back["state"]) == sorted(numbered["state"])
+    swapped = [[names[0][1], names[0][0], *names[0][2:]]]
+    with pytest.raises(RestoreMismatchError, match=r"optimizer/param_groups/0/params/0.*'inp.weight' saved, "
+                                                   r"'inp.bias' now"):
+        optimizer_by_number(named, swapped)
+    with pytest.raises(RestoreMismatchError, match=r"optimizer/param_groups/0/params.*8 parameters saved, 7 now"):
+        optimizer_by_name(numbered, [names[0][:-1]])
+    with pytest.raises(RestoreMismatchError, match="optimizer/param_groups.*1 saved, 2 now"):
+        optimizer_by_name(numbered, [names[0], []])

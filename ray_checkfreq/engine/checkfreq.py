@@ -172,6 +172,10 @@ class CheckFreq:
         writing to the same storage (an old rank 0 after a restart) can no longer commit, so
         the checkpoint read here stays the newest one until this run saves its own.
 
+        Either placement loads into either: a plain model takes a sharded checkpoint
+        gathered whole, a sharded one reads its boxes of a replicated checkpoint. The
+        optimizer's state is matched by the place of each parameter in its groups.
+
         Sharded mode (a model with DTensor parameters): alone (world size 1), the newest
         committed step after ``salvage()``; with more ranks the caller chooses the step
         (rank 0, handing its writer generation to the others: ``store.adopt_generation``)
@@ -181,12 +185,10 @@ class CheckFreq:
             return self._restore_sharded(self._sharded)
         self.store.acquire_writer()
         self.load_cached_profile()
-        if not self.store.list(placement="replicated"):
+        if not self.store.list():
             self._begin(0)
             return 0
-        # Falls back past corrupt checkpoints; raises if there are checkpoints but none loads,
-        # rather than silently starting over.
-        iteration = self.apply_state(self.store.load())
+        iteration = self.apply_state(_newest_state(self.store))
         logger.info("restored iteration %d from %s", iteration, self.store.uri)
         return iteration
 
@@ -196,13 +198,13 @@ class CheckFreq:
             raise RuntimeError(
                 f"CheckFreq.restore() in sharded mode with {mode.world_size} ranks: every rank must load the same "
                 "step, so the caller chooses it (rank 0: store.acquire_writer(), store.salvage(), the newest of "
-                "store.list(placement=\"sharded\"); "
+                "store.list(), either placement; "
                 "it hands the step and its writer generation to the others, which call "
                 "store.adopt_generation(g)) and every rank calls cf.load_sharded(step)")
         store.acquire_writer()
         store.salvage()
         self.load_cached_profile()
-        refs = store.list(placement="sharded")
+        refs = [ref for ref in store.list() if not ref.trimmed]  # a replicated one loads too
         if not refs:
             self._begin(0)
             return 0
@@ -217,8 +219,8 @@ class CheckFreq:
         raise failure
 
     def load_sharded(self, step: int) -> int:
-        """Sharded mode: load committed ``step`` into this rank's shards of model and
-        optimizer (from any saved world size), its extra state, data and RNG states, and
+        """Sharded mode: load committed ``step`` (either placement, any saved world size)
+        into this rank's shards of model and optimizer, its extra state, data and RNG states, and
         resume counting from it; returns its iteration. Every rank calls it with the same
         step: it is a collective."""
         if self._sharded is None:
@@ -458,6 +460,22 @@ def _sharded_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stor
                          "the same iterations, so the decision channel must be shared (EngineSeams(decisions="
                          "...), e.g. ray_checkfreq.ray.decisions.BroadcastDecisions)")
     return ShardedMode(adapter=adapter, rank=rank, world_size=world_size, commit_wait_s=config.commit_wait_s)
+
+
+def _newest_state(store: CheckpointStore) -> dict:
+    """The newest exact checkpoint's state, a sharded one gathered whole (the run was
+    sharded before). Falls back past corrupt checkpoints; raises if there are checkpoints
+    but none loads, rather than silently starting over."""
+    for ref in reversed(store.list()):
+        if ref.placement == "replicated":
+            break  # from here on ``load()`` falls back by itself
+        if ref.trimmed:
+            continue
+        try:
+            return store.load(ref)
+        except CorruptCheckpointError as err:
+            logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
+    return store.load()
 
 
 def _rank_and_world() -> tuple[int, int]:

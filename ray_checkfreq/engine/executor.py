@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWorker
-from ray_checkfreq.engine.restore import check_model_state, check_optimizer_state
+from ray_checkfreq.engine.restore import (
+    check_model_state,
+    check_optimizer_state,
+    keyed_by_name,
+    optimizer_by_number,
+    parameter_names,
+)
 from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
 from ray_checkfreq.engine.sharded_restore import (
@@ -130,10 +136,13 @@ class Executor:
     def load_state(self, state: Mapping[str, Any]) -> int:
         """Load a checkpoint's state into model, optimizer, extra state, data and RNGs; returns its iteration."""
         live = self.state
+        optimizer_state = state["optimizer"]
+        if keyed_by_name(optimizer_state):  # a sharded checkpoint, gathered whole
+            optimizer_state = optimizer_by_number(optimizer_state, parameter_names(live.model, live.optimizer))
         check_model_state(live.model, state["model"])
-        check_optimizer_state(live.optimizer, state["optimizer"], state["checkfreq"])
+        check_optimizer_state(live.optimizer, optimizer_state, state["checkfreq"])
         live.model.load_state_dict(state["model"])
-        live.optimizer.load_state_dict(state["optimizer"])
+        live.optimizer.load_state_dict(optimizer_state)
         return self._load_rest(state, state["rng"])
 
     def load_sharded(self, store: CheckpointStore, step: int) -> int:
@@ -148,8 +157,7 @@ class Executor:
                                      optimizer_class=type(self.state.optimizer).__qualname__)
         finally:
             self.loading = False
-        own = {mode.rank: loaded.state["rng"]} if mode.rank < loaded.saved_world_size else {}
-        return self._load_rest(loaded.state, {"world_size": loaded.saved_world_size, "ranks": own})
+        return self._load_rest(loaded.state, loaded.rng)
 
     def rank_snapshot_mismatch(self, state: Mapping[str, Any]) -> str | None:
         """Sharded mode: why this rank's own snapshot (a RAM copy) does not fit its shards

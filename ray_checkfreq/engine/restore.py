@@ -2,6 +2,11 @@
 
 ``load_state_dict`` either fails with a list of every difference or, for an optimizer,
 silently accepts state of the wrong shape; these checks name the first mismatch instead.
+
+Across placements the optimizer's state is keyed two ways: ``optimizer.state_dict()``
+numbers the parameters (0, 1, ... in ``param_groups`` order), a sharded checkpoint names
+them (``get_optimizer_state_dict``). ``optimizer_by_name`` and ``optimizer_by_number``
+turn one into the other, as torch's own state-dict helpers do: by place in the groups.
 """
 
 from __future__ import annotations
@@ -74,3 +79,67 @@ def _check_tensor(key: str, value: Any, shape: torch.Size, dtype: torch.dtype) -
         raise RestoreMismatchError(key, f"shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model")
     if value.dtype != dtype:
         raise RestoreMismatchError(key, f"dtype {value.dtype} in the checkpoint, {dtype} in the model")
+
+
+# ------------------------------------------------------------------ optimizer keys
+def keyed_by_name(optimizer_state: Mapping[str, Any]) -> bool:
+    """Whether the optimizer state names its parameters (a sharded checkpoint's) rather
+    than numbering them (``optimizer.state_dict()``'s)."""
+    return any(isinstance(param, str) for group in optimizer_state.get("param_groups", [])
+               for param in group.get("params", []))
+
+
+def parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The name in ``model`` of each parameter of each of the optimizer's groups."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    out = []
+    for index, group in enumerate(optimizer.param_groups):
+        unknown = [i for i, param in enumerate(group["params"]) if id(param) not in names]
+        if unknown:
+            raise RestoreMismatchError(f"optimizer/param_groups/{index}/params/{unknown[0]}",
+                                       "the optimizer holds a parameter that is not the model's")
+        out.append([names[id(param)] for param in group["params"]])
+    return out
+
+
+def optimizer_by_name(saved: Mapping[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """A numbered optimizer state keyed by the parameter names of the live groups
+    ``names`` instead: the number at each place of a saved group takes the name at the
+    same place of the live one."""
+    groups = saved.get("param_groups", [])
+    _check_group_sizes([list(group.get("params", [])) for group in groups], names)
+    return _renamed(saved, {number: name for group, live in zip(groups, names)
+                            for number, name in zip(group["params"], live)})
+
+
+def optimizer_by_number(saved: Mapping[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """A named optimizer state numbered as ``optimizer.state_dict()`` numbers the live
+    groups ``names``; every saved group must name the live group's parameters in order."""
+    groups = [list(group.get("params", [])) for group in saved.get("param_groups", [])]
+    _check_group_sizes(groups, names)
+    for index, (group, live) in enumerate(zip(groups, names)):
+        if group != live:
+            wrong = next(i for i, (a, b) in enumerate(zip(group, live)) if a != b)
+            raise RestoreMismatchError(f"optimizer/param_groups/{index}/params/{wrong}",
+                                       f"{group[wrong]!r} saved, {live[wrong]!r} now")
+    return _renamed(saved, {name: number for number, name in enumerate(n for live in names for n in live)})
+
+
+def _check_group_sizes(saved: list[list[Any]], live: list[list[str]]) -> None:
+    if len(saved) != len(live):
+        raise RestoreMismatchError("optimizer/param_groups", f"{len(saved)} saved, {len(live)} now")
+    for index, (group, names) in enumerate(zip(saved, live)):
+        if len(group) != len(names):
+            raise RestoreMismatchError(f"optimizer/param_groups/{index}/params",
+                                       f"{len(group)} parameters saved, {len(names)} now")
+
+
+def _renamed(saved: Mapping[str, Any], new_key: Mapping[Any, Any]) -> dict[str, Any]:
+    state = {}
+    for key, value in saved.get("state", {}).items():
+        if key not in new_key:
+            raise RestoreMismatchError(f"optimizer/state/{key}", "state of a parameter that no param group holds")
+        state[new_key[key]] = value
+    groups = [{**group, "params": [new_key[param] for param in group["params"]]}
+              for group in saved.get("param_groups", [])]
+    return {**saved, "state": state, "param_groups": groups}

@@ -5,7 +5,9 @@ the skeleton of its own rank in the saved world (rank 0's when the saved world w
 smaller: the per-rank leaves of a rank that did not exist are rank 0's), then fetches in
 ONE ranged-read pass (``CheckpointStore.reader``) the box of every model and optimizer
 tensor this rank holds now, plus its per-rank leaves (RNG, extra and data state), fills
-model and optimizer in place, and returns the rest of the state.
+model and optimizer in place, and returns the rest of the state. A replicated checkpoint
+(one part of whole tensors, numbered optimizer state) loads the same way: each rank reads
+its boxes of the whole tensors, the optimizer's numbers taken as the live groups' names.
 
 A rank's own snapshot (its RAM copy, at the same world size and sharding) loads without
 storage: ``snapshot_mismatch`` says whether it fits, ``load_rank_snapshot`` fills it in.
@@ -20,14 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_checkfreq.engine.restore import RestoreMismatchError
-from ray_checkfreq.engine.state import ChunkPlace, StateAdapter, TensorChunk
+from ray_checkfreq.engine.restore import RestoreMismatchError, optimizer_by_name
+from ray_checkfreq.engine.state import ChunkPlace, Fill, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.chunks import Box, whole
 from ray_checkfreq.storage.manifest import GlobalManifest
 from ray_checkfreq.storage.rank_state import parse_rank_skeleton
+from ray_checkfreq.storage.reader import BoxReader
 from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
-from ray_checkfreq.storage.tree import leaves_of, unflatten_state
+from ray_checkfreq.storage.tree import KeyPath, SkeletonError, leaves_of, unflatten_state
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,14 @@ class RankState:
     """What a sharded restore hands back once model and optimizer are filled."""
 
     state: dict[str, Any]  # the saved state (model/optimizer tensors as None): extra, data, rng, checkfreq
-    saved_world_size: int
-    source_rank: int  # whose per-rank leaves ``state`` holds
+    rng: Any  # what the rank-aware RNG setter takes (engine/rng.py ``set_own_rng``)
 
 
 def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
-    """The newest complete sharded checkpoint of ``step``."""
-    matches = [ref for ref in store.list(placement="sharded") if ref.step == step]
+    """The newest complete exact checkpoint of ``step``, of either placement."""
+    matches = [ref for ref in store.list() if ref.step == step and not ref.trimmed]
     if not matches:
-        raise CheckpointNotFoundError(f"no complete sharded checkpoint of step {step} in {store.uri}")
+        raise CheckpointNotFoundError(f"no complete checkpoint of step {step} in {store.uri}")
     return matches[-1]
 
 
@@ -53,6 +55,8 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     rest of this rank's saved state; RestoreMismatchError names the first key that does
     not fit, CorruptCheckpointError a damaged skeleton."""
     reader = store.reader(ref)
+    if ref.placement == "replicated":
+        return _load_replicated(reader, ref.uri, adapter, optimizer_class)
     manifest = reader.manifest
     source = rank if rank < manifest.world_size else 0
     tree, keys, per_rank = parse_rank_skeleton(reader.skeletons([source])[source], ref.uri)
@@ -61,26 +65,83 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     _check_targets(targets, manifest, set(keys) - per_rank)
     wanted: dict[str, list[Box]] = {name: [Box(box.offsets, box.sizes)] for name, box in boxes.items()}
     for key in per_rank:
-        whole = _tensor_of(manifest, key, ref.uri).global_shape
-        wanted[key] = [Box((0,) * len(whole), tuple(whole))]
+        wanted[key] = [whole(_tensor_of(manifest, key, ref.uri).global_shape)]
     loaded = reader.load_boxes(wanted)
     state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
+    _check_optimizer_class(state, optimizer_class)
+    adapter.apply(_filler(loaded, boxes, {name: name for name in boxes}),
+                  {"model": state["model"], "optimizer": state["optimizer"]})
+    own = {rank: state["rng"]} if rank < manifest.world_size else {}
+    return RankState(state=state, rng={"world_size": manifest.world_size, "ranks": own})
+
+
+class _LeafIndex(int):
+    """Where a tensor leaf of a replicated skeleton stands: its index in the leaf keys. An
+    int to the state walker, so a skeleton filled with them checks structure like a state."""
+
+    def __getitem__(self, _: Any) -> _LeafIndex:  # a numpy scalar's leaf is read as leaf[()]
+        return self
+
+
+def _load_replicated(reader: BoxReader, where: str, adapter: StateAdapter, optimizer_class: str) -> RankState:
+    """A replicated checkpoint into this rank's shards: its boxes of each whole tensor, the
+    numbered optimizer state named after the live groups by place, the rest read whole."""
+    skeleton, keys, _ = reader.whole_state()
+    indexed = _unflatten(skeleton, [_LeafIndex(i) for i in range(len(keys))], where)
+    _check_optimizer_class(indexed, optimizer_class)
+    targets = adapter.restore_targets()
+    live_groups = adapter.live_state()["optimizer"].get("param_groups", [])
+    saved = {"model": indexed["model"], "optimizer": optimizer_by_name(
+        indexed["optimizer"], [list(group["params"]) for group in live_groups])}
+    source = {chunk.name: keys[_leaf_index(saved, chunk.path, chunk.name)] for chunk in targets}
+    rest = {key for key in keys if key.split("/", 1)[0] not in ("model", "optimizer")}
+    wanted = {source[chunk.name]: [Box(chunk.box.offsets, chunk.box.sizes)] for chunk in targets}
+    wanted.update({key: [whole(reader.manifest.tensor(key).global_shape)] for key in rest})  # type: ignore[union-attr]
+    loaded = reader.load_boxes(wanted)
+    adapter.apply(_filler(loaded, {chunk.name: chunk.box for chunk in targets}, source), saved)
+    state = _unflatten(skeleton, [loaded[key][0] if key in rest else None for key in keys], where)
+    return RankState(state=state, rng=state["rng"])
+
+
+def _leaf_index(saved: Mapping[str, Any], path: KeyPath, name: str) -> int:
+    node: Any = saved
+    for key in path:
+        if isinstance(node, Mapping):
+            node = node.get(key)
+        else:
+            node = node[key] if isinstance(node, list) and isinstance(key, int) and key < len(node) else None
+    if not isinstance(node, _LeafIndex):
+        raise RestoreMismatchError(name, "missing from the checkpoint")
+    return int(node)
+
+
+def _unflatten(skeleton: Any, leaves: list[Any], where: str) -> Any:
+    try:
+        return unflatten_state(skeleton, leaves)
+    except SkeletonError as err:
+        raise CorruptCheckpointError(where, f"skeleton: {err}") from None
+
+
+def _check_optimizer_class(state: Mapping[str, Any], optimizer_class: str) -> None:
     saved_class = state.get("checkfreq", {}).get("optimizer_class")
     if saved_class != optimizer_class:
         raise RestoreMismatchError("optimizer", f"saved by {saved_class}, loading into {optimizer_class}")
+
+
+def _filler(loaded: Mapping[str, list[Any]], boxes: Mapping[str, Any], source: Mapping[str, str]) -> Fill:
+    """``fill`` for ``adapter.apply``: each target's box as read (under its saved key)."""
 
     def fill(chunk: TensorChunk) -> None:
         if boxes.get(chunk.name) != chunk.box:
             raise RuntimeError(f"{chunk.name}: the restore asked for box {chunk.box}, not the one read "
                                f"({boxes.get(chunk.name)})")
-        data = loaded[chunk.name][0]
+        data = loaded[source[chunk.name]][0]
         tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
         if tensor.dtype != chunk.dtype:
             raise RestoreMismatchError(chunk.name, f"dtype {tensor.dtype} in the checkpoint, {chunk.dtype} now")
         chunk.local.copy_(tensor)
 
-    adapter.apply(fill, {"model": state["model"], "optimizer": state["optimizer"]})
-    return RankState(state=state, saved_world_size=manifest.world_size, source_rank=source)
+    return fill
 
 
 def _tensor_of(manifest: GlobalManifest, key: str, where: str) -> Any:

@@ -164,7 +164,8 @@ class RestartProtocol:
         return choice, generation
 
     def _choose_sharded(self) -> tuple[RestoreChoice, int]:
-        """The newest step complete across all its parts, or newer in every rank's RAM copies
+        """The newest step complete across all its parts (of either placement: a replicated
+        one loads into the shards too), or newer in every rank's RAM copies
         (``shard_copies.choose_shard_sources``). The generation comes first: an old rank
         still writing is fenced from then on; then a step whose parts were all written but
         whose committer died is committed (salvage)."""
@@ -173,8 +174,8 @@ class RestartProtocol:
         if salvaged is not None:
             logger.warning("restart: committed step %d, whose parts were all durable but not committed",
                            salvaged.step)
-        sharded = self.store.list(placement="sharded")
-        newest = sharded[-1] if sharded else None
+        exact = [ref for ref in self.store.list() if not ref.trimmed]  # a replicated one loads too
+        newest = exact[-1] if exact else None
         committed = newest.step if newest is not None else None
         slot_found, peer_found = ram_headers(agents.live_agents(self.run))
         in_ram = choose_shard_sources(committed_step=committed, slot_headers=slot_found, peer_headers=peer_found,
