@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import os
 import socket
+from typing import Any
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from ray_checkfreq.engine.seams import Action
-from ray_checkfreq.ray.restart import RestoreChoice, choose_source
+from ray_checkfreq.ray import restart
+from ray_checkfreq.ray.restart import RestartProtocol, RestoreChoice, choose_source
 from ray_checkfreq.ray.slots import SLOT_COMPLETE, SLOT_WRITING
+from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage.backends.posix import PosixBackend
 
 RUN = "run1"
 
@@ -191,3 +196,59 @@ def test_the_drain_watcher_reports_only_the_runs_nodes():
         assert watcher.draining() == {"b"}
     finally:
         watcher.close()
+
+
+# ------------------------------------------------------------------ what the choice reads
+class CountingBackend(PosixBackend):
+    """Local files, counting every byte read: data files apart from manifests."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, direct_io=False)
+        self.data_bytes = 0
+        self.other_bytes = 0
+
+    def _count(self, rel_path: str, data: Any) -> Any:
+        if rel_path.rsplit("/", 1)[-1].endswith(".bin"):
+            self.data_bytes += len(data)
+        else:
+            self.other_bytes += len(data)
+        return data
+
+    def read(self, rel_path: str) -> Any:
+        return self._count(rel_path, super().read(rel_path))
+
+    def read_range(self, rel_path: str, offset: int, length: int) -> Any:
+        return self._count(rel_path, super().read_range(rel_path, offset, length))
+
+
+def _protocol(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, slots_of_node: list[dict]) -> RestartProtocol:
+    monkeypatch.setattr(restart.agents, "live_agents", lambda run: {})
+    monkeypatch.setattr(restart, "slot_headers", lambda live: {"a": slots_of_node})
+    return RestartProtocol(rank=0, world_size=1, run=RUN, node_id="a", nodes=["a"], store=store, group=None,
+                           wait_s=0.0, warn_every_s=60.0)
+
+
+def test_a_restore_from_ram_reads_no_checkpoint_data_from_storage(tmp_path, monkeypatch) -> None:
+    """The choice comes from listings and manifests: a slot of the newest committed step
+    wins without a byte of that step's data read; the data is read only when storage is
+    the source, and then checked (a corrupt newest falls back to the one before)."""
+    state = {"model": {"w": torch.arange(50_000, dtype=torch.float32)}}
+    writer = CheckpointStore(str(tmp_path), codec="raw")
+    for step in (1, 2):
+        writer.save(step, {"model": {"w": state["model"]["w"] + step}})
+    backend = CountingBackend(str(tmp_path))
+    store = CheckpointStore(str(tmp_path), filesystem=backend, codec="raw")
+    choice, _ = _protocol(store, monkeypatch, [header(2)])._choose()
+    assert (choice.kind, choice.step, choice.committed_step, choice.needs_persist) == ("slot", 2, 2, False)
+    assert backend.data_bytes == 0 and 0 < backend.other_bytes < 20_000  # manifests, the writer record
+    choice, _ = _protocol(store, monkeypatch, [header(1)])._choose()
+    assert (choice.kind, choice.step) == ("storage", 2)
+    assert backend.data_bytes == 0
+    newest = next(p for p in tmp_path.iterdir() if p.name.startswith("step-000000000002"))
+    data = next(p for p in newest.iterdir() if p.name.endswith(".bin"))
+    with open(data, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff\xff\xff\xff")
+    loaded = restart.read_source(choice, store=store, run=RUN)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"] + 1)  # step 2 is corrupt: step 1, checked
+    assert backend.data_bytes >= 2 * 200_000

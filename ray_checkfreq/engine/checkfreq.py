@@ -44,6 +44,7 @@ from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
+from ray_checkfreq.engine.restore import newest_state
 from ray_checkfreq.engine.rng import set_own_rng
 from ray_checkfreq.engine.seams import EngineSeams, LocalDecisions, set_local_rng_state
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
@@ -188,7 +189,7 @@ class CheckFreq:
         if not self.store.list():
             self._begin(0)
             return 0
-        iteration = self.apply_state(_newest_state(self.store))
+        iteration = self.apply_state(newest_state(self.store))
         logger.info("restored iteration %d from %s", iteration, self.store.uri)
         return iteration
 
@@ -460,22 +461,6 @@ def _sharded_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stor
                          "the same iterations, so the decision channel must be shared (EngineSeams(decisions="
                          "...), e.g. ray_checkfreq.ray.decisions.BroadcastDecisions)")
     return ShardedMode(adapter=adapter, rank=rank, world_size=world_size, commit_wait_s=config.commit_wait_s)
-
-
-def _newest_state(store: CheckpointStore) -> dict:
-    """The newest exact checkpoint's state, a sharded one gathered whole (the run was
-    sharded before). Falls back past corrupt checkpoints; raises if there are checkpoints
-    but none loads, rather than silently starting over."""
-    for ref in reversed(store.list()):
-        if ref.placement == "replicated":
-            break  # from here on ``load()`` falls back by itself
-        if ref.trimmed:
-            continue
-        try:
-            return store.load(ref)
-        except CorruptCheckpointError as err:
-            logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
-    return store.load()
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -11,12 +11,16 @@ turn one into the other, as torch's own state-dict helpers do: by place in the g
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ray_checkfreq.errors import CheckFreqError
+from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError
+from ray_checkfreq.storage.store import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.engine")
 
 
 class RestoreMismatchError(CheckFreqError, ValueError):
@@ -79,6 +83,22 @@ def _check_tensor(key: str, value: Any, shape: torch.Size, dtype: torch.dtype) -
         raise RestoreMismatchError(key, f"shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model")
     if value.dtype != dtype:
         raise RestoreMismatchError(key, f"dtype {value.dtype} in the checkpoint, {dtype} in the model")
+
+
+def newest_state(store: CheckpointStore) -> dict:
+    """The newest exact checkpoint's state for a plain model: a sharded one (the run was
+    sharded before) gathered whole. Falls back past corrupt checkpoints; raises if there
+    are checkpoints but none loads, rather than silently starting over."""
+    for ref in reversed(store.list()):
+        if ref.placement == "replicated":
+            break  # from here on ``load()`` falls back by itself
+        if ref.trimmed:
+            continue
+        try:
+            return store.load(ref)
+        except CorruptCheckpointError as err:
+            logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
+    return store.load()
 
 
 # ------------------------------------------------------------------ optimizer keys

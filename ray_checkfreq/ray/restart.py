@@ -19,13 +19,14 @@ from typing import Any
 
 import ray
 
+from ray_checkfreq.engine.restore import newest_state
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_notice_record
 from ray_checkfreq.ray.shard_copies import RankSource, choose_shard_sources, ram_headers, read_rank_source
 from ray_checkfreq.ray.slots import SLOT_COMPLETE
 from ray_checkfreq.ray.transfer import all_gather_json, broadcast_json, broadcast_state, unpack_state
-from ray_checkfreq.storage import CheckpointStore
+from ray_checkfreq.storage import CheckpointRef, CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
 
@@ -158,7 +159,7 @@ class RestartProtocol:
         wait_for_persists(live, wait_s=self.wait_s, warn_every_s=self.warn_every_s)
         generation = self.store.acquire_writer()  # only now: a persist still running is fenced
         headers = slot_headers(live)
-        newest = self.store.latest()
+        newest = newest_exact(self.store)
         choice = choose_source(committed_step=newest.step if newest else None, slot_headers=headers, run=self.run,
                                reachable_nodes=set(self.nodes), prefer_node=self.node_id)
         return choice, generation
@@ -174,8 +175,7 @@ class RestartProtocol:
         if salvaged is not None:
             logger.warning("restart: committed step %d, whose parts were all durable but not committed",
                            salvaged.step)
-        exact = [ref for ref in self.store.list() if not ref.trimmed]  # a replicated one loads too
-        newest = exact[-1] if exact else None
+        newest = newest_exact(self.store)  # a replicated one loads too
         committed = newest.step if newest is not None else None
         slot_found, peer_found = ram_headers(agents.live_agents(self.run))
         in_ram = choose_shard_sources(committed_step=committed, slot_headers=slot_found, peer_headers=peer_found,
@@ -228,7 +228,7 @@ class RestartProtocol:
                 ok = False
         fell_back = False
         if not broadcast_json(ok, src=source, rank=self.rank, group=self.group):
-            source, state = 0, (self.store.load() if self.rank == 0 else None)
+            source, state = 0, (newest_state(self.store) if self.rank == 0 else None)
             fell_back = True
         return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
                                group=self.group), fell_back
@@ -287,10 +287,18 @@ def slot_headers(live: Mapping[str, Any]) -> dict[str, list]:
     return headers
 
 
+def newest_exact(store: CheckpointStore) -> CheckpointRef | None:
+    """The newest complete exact checkpoint of either placement, from the listings and
+    manifests only: its data is read (and checked, falling back past a corrupt one) only
+    when storage is the source."""
+    exact = [ref for ref in store.list() if not ref.trimmed]
+    return exact[-1] if exact else None
+
+
 def read_source(choice: RestoreChoice, *, store: CheckpointStore, run: str) -> dict:
     """The chosen state, read on this rank (a slot of its node, or sent by the slot's agent)."""
     if choice.kind == "storage":
-        return store.load()
+        return newest_state(store)
     assert choice.path is not None and choice.seq is not None
     if choice.via_agent:
         holder = agents.live_agents(run).get(choice.node_id or "")
