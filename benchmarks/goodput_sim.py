@@ -1,0 +1,267 @@
+"""A discrete-event model of one data-parallel job on a spot fleet: goodput by
+checkpointing method over a whole availability trace (pure: no Ray, no clock).
+
+The job spans every node the trace holds (up to ``full_nodes``) with a fixed global batch:
+an iteration takes ``iter_s * full_nodes / n`` on ``n`` nodes. Every ``remove`` instant
+while it runs or restarts is a preemption: the job falls back to its newest recoverable
+iteration, restarts (``restart_s`` plus the restore), and resumes on the nodes then held;
+below ``min_nodes`` it waits. Nodes added while it runs join at its next restart.
+
+Goodput is the iterations the job kept at the end over those an ideal job (no checkpoint,
+no restart, no loss) makes on the same nodes: ``sum(n(t) / (full_nodes * iter_s) dt)``.
+
+Methods (``Method.kind``):
+- ``checkfreq``: a snapshot to RAM every k iterations (the stall), persisted beside training;
+  k from the library's policy (``engine.policy.choose_interval``, overhead p, and the mean
+  time between preemptions observed so far), or fixed (``every``: the oracle's sweep). A
+  preemption falls back to the newest snapshot while any node of the job survives (the
+  node agents' RAM copies), else to the newest one persisted; a notice long enough for
+  one snapshot loses nothing.
+- ``async``: ``torch.save`` of a CPU copy in a thread and an upload every N iterations
+  (the stall is the copy); a preemption falls back to the newest upload that finished.
+- ``sync``: ``torch.save`` and upload inside the step every N iterations.
+- ``epoch``: ``sync`` once an epoch.
+- ``none``: no checkpoint; a preemption restarts from 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+
+from ray_checkfreq.engine.policy import Profile, choose_interval
+
+KINDS = ("checkfreq", "async", "sync", "epoch", "none")
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """What one job's checkpoints, restores and restarts cost; seconds, GB and GB/s."""
+
+    iter_s: float = 1.0  # an iteration on full_nodes
+    state_gb: float = 10.0
+    storage_gbps: float = 1.0  # the job's write and read bandwidth to storage
+    snapshot_gbps: float = 10.0  # a device -> host copy (the stall of checkfreq and async)
+    serialize_gbps: float = 2.0  # torch.save of a host copy
+    ram_restore_gbps: float = 5.0  # a restore from a node agent's RAM copy
+    restart_s: float = 60.0  # group restart, process start and set-up; the restore apart
+    notice_s: float = 0.0  # warning before a node goes (AWS: 120 s); 0: none
+    epoch_iterations: int = 2000
+    overhead: float = 0.035  # the policy's p
+
+    def __post_init__(self) -> None:
+        for name in ("iter_s", "state_gb", "storage_gbps", "snapshot_gbps", "serialize_gbps", "ram_restore_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.restart_s < 0 or self.notice_s < 0:
+            raise ValueError("restart_s and notice_s must be >= 0")
+        if self.epoch_iterations < 1 or not 0 < self.overhead < 1:
+            raise ValueError("epoch_iterations must be >= 1 and overhead in (0, 1)")
+
+    @property
+    def snapshot_s(self) -> float:
+        return self.state_gb / self.snapshot_gbps
+
+    @property
+    def upload_s(self) -> float:
+        return self.state_gb / self.storage_gbps
+
+    @property
+    def save_s(self) -> float:
+        return self.state_gb / self.serialize_gbps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Method:
+    name: str
+    kind: str
+    every: int | None = None  # N; checkfreq: a fixed k instead of the policy's
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r}: expected one of {', '.join(KINDS)}")
+        if self.kind in ("async", "sync") and self.every is None:
+            raise ValueError(f"{self.name}: an every-N method needs every")
+        if self.every is not None and self.every < 1:
+            raise ValueError(f"{self.name}: every={self.every!r}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A trace as the job sees it: (time, nodes removed then, live nodes after) per instant."""
+
+    instants: list[tuple[float, int, int]]
+    full_nodes: int
+    min_nodes: int = 1
+    end_s: float | None = None  # default: the last instant
+
+
+@dataclass
+class Outcome:
+    method: str
+    goodput: float
+    iterations: float
+    ideal_iterations: float
+    lost_iterations: float
+    restarts: int
+    stall_s: float
+    restart_s: float
+    k: list[int] = field(default_factory=list)  # the k (or N) of each attempt
+
+
+def policy_k(costs: Costs, mtbf_s: float | None) -> int:
+    """The library policy's k for these costs (the copy not hidden by the update)."""
+    profile = Profile(iter_s=costs.iter_s, update_s=costs.iter_s, cpu_copy_s=costs.snapshot_s,
+                      persist_s=costs.upload_s, size_bytes=int(costs.state_gb * GB))
+    return choose_interval(profile, overhead=costs.overhead, mtbf_s=mtbf_s).k
+
+
+@dataclass
+class _Job:
+    method: Method
+    costs: Costs
+    fleet: Fleet
+    progress: float = 0.0
+    nodes: int = 0
+    restart_left: float = 0.0
+    waiting: bool = True
+    k: int = 1
+    durable_floor: float = 0.0  # what the restore brought back: durable whatever happens next
+    history: list[tuple[float, float]] = field(default_factory=list)  # (time, progress) while running
+    lost: float = 0.0
+    restarts: int = 0
+    stall_s: float = 0.0
+    restart_spent_s: float = 0.0
+    ks: list[int] = field(default_factory=list)
+
+    def interval(self) -> int | None:
+        kind = self.method.kind
+        if kind == "none":
+            return None
+        if kind == "epoch":
+            return self.costs.epoch_iterations
+        return self.k
+
+    def per_checkpoint_s(self, iteration_s: float) -> float:
+        """Training seconds one checkpoint costs, its wait for the one before included."""
+        costs, k = self.costs, self.interval()
+        if k is None:
+            return 0.0
+        if self.method.kind in ("sync", "epoch"):
+            return costs.save_s + costs.upload_s
+        lag = costs.upload_s if self.method.kind == "checkfreq" else costs.save_s + costs.upload_s
+        return costs.snapshot_s + max(0.0, lag - k * iteration_s)
+
+    def lag_s(self) -> float:
+        """Seconds from a checkpoint's stall until it is durable in storage."""
+        if self.method.kind == "checkfreq":
+            return self.costs.upload_s
+        if self.method.kind == "async":
+            return self.costs.save_s + self.costs.upload_s
+        return 0.0
+
+    def run(self, start: float, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.waiting:
+            return
+        if self.restart_left > 0:
+            spent = min(self.restart_left, seconds)
+            self.restart_left -= spent
+            self.restart_spent_s += spent
+            start, seconds = start + spent, seconds - spent
+            if seconds <= 0:
+                return
+        if not self.history:
+            self.history = [(start, self.progress)]
+        iteration_s = self.costs.iter_s * self.fleet.full_nodes / self.nodes
+        k, cost = self.interval(), self.per_checkpoint_s(iteration_s)
+        rate = 1.0 / iteration_s if k is None else k / (k * iteration_s + cost)
+        self.progress += rate * seconds
+        if k is not None:
+            self.stall_s += seconds * cost / (k * iteration_s + cost)
+        self.history.append((start + seconds, self.progress))
+
+    def progress_at(self, time: float) -> float:
+        if not self.history or time <= self.history[0][0]:
+            return self.durable_floor
+        times = [t for t, _ in self.history]
+        i = bisect.bisect_right(times, time) - 1
+        if i >= len(self.history) - 1:
+            return self.history[-1][1]
+        (t0, p0), (t1, p1) = self.history[i], self.history[i + 1]
+        return p0 + (p1 - p0) * (time - t0) / (t1 - t0)
+
+    def recoverable(self, now: float, survivors: int) -> tuple[float, bool]:
+        """(iteration the job falls back to, whether from RAM) at a preemption now."""
+        k = self.interval()
+        if k is None:
+            return 0.0, False
+        running = not self.waiting and self.restart_left <= 0
+        if not running:
+            return self.progress, False  # it had not trained since its restore
+        if self.method.kind == "checkfreq":
+            if self.costs.notice_s >= self.costs.snapshot_s:
+                return self.progress, survivors > 0  # a stop checkpoint at the notice
+            if survivors > 0:
+                return max(self.durable_floor, math.floor(self.progress / k) * k), True
+        durable = math.floor(self.progress_at(now - self.lag_s()) / k) * k
+        return max(self.durable_floor, durable), False
+
+    def preempt(self, now: float, live: int, mtbf_s: float | None) -> None:
+        survivors = min(self.nodes, live)
+        back, from_ram = self.recoverable(now, survivors)
+        self.lost += self.progress - back
+        self.progress = self.durable_floor = back
+        self.restarts += 1
+        restore_s = 0.0
+        if self.interval() is not None and back > 0:
+            restore_s = self.costs.state_gb / (self.costs.ram_restore_gbps if from_ram else self.costs.storage_gbps)
+        self.restart_left = self.costs.restart_s + restore_s
+        self.start_attempt(live, mtbf_s)
+
+    def start_attempt(self, live: int, mtbf_s: float | None) -> None:
+        self.nodes = min(live, self.fleet.full_nodes)
+        self.waiting = self.nodes < self.fleet.min_nodes
+        self.history = []
+        if self.method.kind == "checkfreq":
+            self.k = self.method.every or policy_k(self.costs, mtbf_s)
+        elif self.method.every is not None:
+            self.k = self.method.every
+        self.ks.append(self.interval() or 0)
+
+
+def simulate(fleet: Fleet, method: Method, costs: Costs) -> Outcome:
+    """One method over the whole fleet trace."""
+    instants = fleet.instants
+    end = fleet.end_s if fleet.end_s is not None else instants[-1][0]
+    job = _Job(method=method, costs=costs, fleet=fleet)
+    ideal, live, now, preemptions = 0.0, 0, instants[0][0], 0
+    started = False
+    for time, removed, live_after in instants + [(end, 0, -1)]:
+        time = min(time, end)
+        if live >= fleet.min_nodes:
+            ideal += min(live, fleet.full_nodes) * (time - now) / (fleet.full_nodes * costs.iter_s)
+        job.run(now, time - now)
+        now = time
+        if live_after < 0 or time >= end:
+            break
+        if removed and started and not job.waiting:  # running or restarting: preempted
+            preemptions += 1
+            job.preempt(now, live_after, (now - instants[0][0]) / preemptions)
+        elif live_after >= fleet.min_nodes and (not started or job.waiting):  # (re)starts on enough nodes
+            started = True
+            job.start_attempt(live_after, (now - instants[0][0]) / preemptions if preemptions else None)
+        live = live_after
+    return Outcome(method=method.name, goodput=job.progress / ideal if ideal else 0.0, iterations=job.progress,
+                   ideal_iterations=ideal, lost_iterations=job.lost, restarts=job.restarts, stall_s=job.stall_s,
+                   restart_s=job.restart_spent_s, k=job.ks)
+
+
+def oracle(fleet: Fleet, method: Method, costs: Costs, *, candidates: list[int] | None = None) -> Outcome:
+    """The best fixed interval for ``method``'s mechanism, chosen knowing the whole trace."""
+    grid = candidates or sorted({max(1, round(1.25 ** i)) for i in range(0, 45)})
+    results = [simulate(fleet, replace(method, every=n, name=f"{method.name} best N={n}"), costs) for n in grid]
+    return max(results, key=lambda outcome: outcome.goodput)

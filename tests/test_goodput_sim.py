@@ -1,0 +1,78 @@
+"""The goodput model (benchmarks/goodput_sim.py) on fleets small enough to work out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.goodput_sim import Costs, Fleet, Method, oracle, policy_k, simulate
+
+# 1 s iterations on 2 nodes; 1 GB: a snapshot 0.1 s, torch.save 0.5 s, an upload 1 s.
+COSTS = Costs(iter_s=1.0, state_gb=1.0, snapshot_gbps=10.0, serialize_gbps=2.0, storage_gbps=1.0,
+              ram_restore_gbps=10.0, restart_s=30.0, epoch_iterations=50)
+
+
+def test_without_preemptions_goodput_is_the_checkpoint_cost_alone() -> None:
+    fleet = Fleet([(0.0, 0, 2), (1000.0, 0, 2)], full_nodes=2)
+    assert simulate(fleet, Method(name="none", kind="none"), COSTS).goodput == pytest.approx(1.0)
+    sync = simulate(fleet, Method(name="sync", kind="sync", every=10), COSTS)
+    assert sync.goodput == pytest.approx(10 / (10 + 1.5))  # save 0.5 s + upload 1 s every 10 s
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    assert ours.goodput == pytest.approx(10 / 10.1)  # the snapshot only; the upload runs beside
+    assert ours.restarts == 0 and ours.lost_iterations == 0
+
+
+def test_a_preemption_costs_the_work_since_what_each_method_can_recover_plus_the_restart() -> None:
+    # Node 2 of 2 goes at t = 105 s and comes back at once: the job restarts on 2 nodes.
+    fleet = Fleet([(0.0, 0, 2), (105.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    none = simulate(fleet, Method(name="none", kind="none"), COSTS)
+    assert none.lost_iterations == pytest.approx(105.0) and none.restarts == 1
+    assert none.iterations == pytest.approx(1000 - 105 - 30)  # restarts from 0 after 30 s
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    at_preemption = 105 * 10 / 10.1
+    assert ours.lost_iterations == pytest.approx(at_preemption - 100)  # the RAM copy of iteration 100 survives
+    assert ours.restart_s == pytest.approx(30 + 0.1)  # restart plus 1 GB from RAM at 10 GB/s
+    late = simulate(fleet, Method(name="async", kind="async", every=10), COSTS)
+    # a checkpoint is durable 1.5 s (save and upload) after its stall: iteration 100's, reached
+    # at ~101 s, was durable at ~102.5 s, before the preemption
+    assert late.lost_iterations == pytest.approx(105 * 10 / 10.1 - 100)
+    assert late.restart_s == pytest.approx(30 + 1.0)  # from storage
+
+
+def test_a_job_that_loses_every_node_restores_from_storage_and_waits_for_nodes() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.5, 2, 0), (200.0, 0, 2), (1000.0, 0, 2)], full_nodes=2)
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    reached = 100.5 * 10 / 10.1
+    # no RAM copy survives: the newest snapshot whose upload (1 s) was done by then
+    durable = math.floor((reached - 1.0 * 10 / 10.1) / 10) * 10
+    assert ours.lost_iterations == pytest.approx(reached - durable)
+    assert ours.restart_s == pytest.approx(30 + 1.0)
+    ideal = 100.5 + (1000 - 200)
+    assert ours.ideal_iterations == pytest.approx(ideal)
+
+
+def test_a_notice_long_enough_for_a_snapshot_loses_nothing_to_ours_only() -> None:
+    fleet = Fleet([(0.0, 0, 2), (105.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    noticed = Costs(**{**COSTS.__dict__, "notice_s": 120.0})
+    assert simulate(fleet, Method(name="ours", kind="checkfreq", every=10), noticed).lost_iterations == 0
+    assert simulate(fleet, Method(name="sync", kind="sync", every=10), noticed).lost_iterations > 0
+
+
+def test_fewer_nodes_train_slower_at_the_same_global_batch() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 1), (1100.0, 0, 1)], full_nodes=2)
+    none = simulate(fleet, Method(name="none", kind="none"), COSTS)
+    assert none.ideal_iterations == pytest.approx(100 + 1000 / 2)
+    assert none.iterations == pytest.approx((1000 - 30) / 2)
+
+
+def test_the_oracle_is_at_least_every_fixed_interval_and_the_policy_k_comes_from_the_library() -> None:
+    fleet = Fleet([(0.0, 0, 2)] + [(t, 1, 2) for t in range(300, 6000, 300)] + [(6000.0, 0, 2)], full_nodes=2)
+    method = Method(name="ours", kind="checkfreq")
+    best = oracle(fleet, method, COSTS, candidates=[1, 5, 20, 80])
+    for k in (1, 5, 20, 80):
+        assert best.goodput >= simulate(fleet, Method(name="k", kind="checkfreq", every=k), COSTS).goodput
+    observed_mtbf = [t / n for n, t in enumerate(range(300, 6000, 300), 1)]
+    assert simulate(fleet, method, COSTS).k == [policy_k(COSTS, None)] + [policy_k(COSTS, m) for m in observed_mtbf]
+    with pytest.raises(ValueError, match="every-N method needs every"):
+        Method(name="x", kind="sync")
