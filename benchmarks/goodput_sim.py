@@ -12,8 +12,9 @@ no restart, no loss) makes on the same nodes: ``sum(n(t) / (full_nodes * iter_s)
 
 Methods (``Method.kind``):
 - ``checkfreq``: a snapshot to RAM every k iterations (the stall), persisted beside training;
-  k from the library's policy (``engine.policy.choose_interval``, overhead p, and the mean
-  time between preemptions observed so far), or fixed (``every``: the oracle's sweep). A
+  k from the library's policy (``engine.policy.choose_interval`` at overhead p, raised to
+  Young/Daly's at the preemption rate observed so far, as the run-wide policy does;
+  chosen at each restart), or fixed (``every``: the oracle's sweep). A
   preemption falls back to the newest snapshot while any node of the job survives (the
   node agents' RAM copies), else to the newest one persisted; a notice long enough for
   one snapshot loses nothing.
@@ -30,7 +31,7 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
-from ray_checkfreq.engine.policy import Profile, choose_interval
+from ray_checkfreq.engine.policy import Profile, choose_interval, goodput_interval, mtbf_estimate
 
 KINDS = ("checkfreq", "async", "sync", "epoch", "none")
 GB = 1e9
@@ -50,6 +51,7 @@ class Costs:
     notice_s: float = 0.0  # warning before a node goes (AWS: 120 s); 0: none
     epoch_iterations: int = 2000
     overhead: float = 0.035  # the policy's p
+    sharded: bool = False  # FSDP2: each node copies, saves and restores from RAM its 1/n of the state
 
     def __post_init__(self) -> None:
         for name in ("iter_s", "state_gb", "storage_gbps", "snapshot_gbps", "serialize_gbps", "ram_restore_gbps"):
@@ -60,17 +62,19 @@ class Costs:
         if self.epoch_iterations < 1 or not 0 < self.overhead < 1:
             raise ValueError("epoch_iterations must be >= 1 and overhead in (0, 1)")
 
-    @property
-    def snapshot_s(self) -> float:
-        return self.state_gb / self.snapshot_gbps
+    def share_gb(self, nodes: int) -> float:
+        """What one node holds of the state."""
+        return self.state_gb / nodes if self.sharded else self.state_gb
+
+    def snapshot_s(self, nodes: int) -> float:
+        return self.share_gb(nodes) / self.snapshot_gbps
+
+    def save_s(self, nodes: int) -> float:
+        return self.share_gb(nodes) / self.serialize_gbps
 
     @property
     def upload_s(self) -> float:
         return self.state_gb / self.storage_gbps
-
-    @property
-    def save_s(self) -> float:
-        return self.state_gb / self.serialize_gbps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,11 +115,17 @@ class Outcome:
     k: list[int] = field(default_factory=list)  # the k (or N) of each attempt
 
 
-def policy_k(costs: Costs, mtbf_s: float | None) -> int:
-    """The library policy's k for these costs (the copy not hidden by the update)."""
-    profile = Profile(iter_s=costs.iter_s, update_s=costs.iter_s, cpu_copy_s=costs.snapshot_s,
-                      persist_s=costs.upload_s, size_bytes=int(costs.state_gb * GB))
-    return choose_interval(profile, overhead=costs.overhead, mtbf_s=mtbf_s).k
+def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int) -> int:
+    """The library policy's k for these costs on ``nodes`` of ``full_nodes`` (the copy not
+    hidden by the update): p's k, raised to Young/Daly's at the observed preemption rate
+    as the run-wide policy does (ray/shared_policy.py)."""
+    iteration_s = costs.iter_s * full_nodes / nodes
+    profile = Profile(iter_s=iteration_s, update_s=iteration_s, cpu_copy_s=costs.snapshot_s(nodes),
+                      persist_s=costs.upload_s, size_bytes=int(costs.share_gb(nodes) * GB))
+    decision = choose_interval(profile, overhead=costs.overhead)
+    if mtbf_s is None:
+        return decision.k
+    return max(decision.k, goodput_interval(decision.cost_s, mtbf_s, iteration_s))
 
 
 @dataclass
@@ -150,16 +160,15 @@ class _Job:
         if k is None:
             return 0.0
         if self.method.kind in ("sync", "epoch"):
-            return costs.save_s + costs.upload_s
-        lag = costs.upload_s if self.method.kind == "checkfreq" else costs.save_s + costs.upload_s
-        return costs.snapshot_s + max(0.0, lag - k * iteration_s)
+            return costs.save_s(self.nodes) + costs.upload_s
+        return costs.snapshot_s(self.nodes) + max(0.0, self.lag_s() - k * iteration_s)
 
     def lag_s(self) -> float:
         """Seconds from a checkpoint's stall until it is durable in storage."""
         if self.method.kind == "checkfreq":
             return self.costs.upload_s
         if self.method.kind == "async":
-            return self.costs.save_s + self.costs.upload_s
+            return self.costs.save_s(self.nodes) + self.costs.upload_s
         return 0.0
 
     def run(self, start: float, seconds: float) -> None:
@@ -203,7 +212,7 @@ class _Job:
         if not running:
             return self.progress, False  # it had not trained since its restore
         if self.method.kind == "checkfreq":
-            if self.costs.notice_s >= self.costs.snapshot_s:
+            if self.costs.notice_s >= self.costs.snapshot_s(self.nodes):
                 return self.progress, survivors > 0  # a stop checkpoint at the notice
             if survivors > 0:
                 return max(self.durable_floor, math.floor(self.progress / k) * k), True
@@ -218,7 +227,8 @@ class _Job:
         self.restarts += 1
         restore_s = 0.0
         if self.interval() is not None and back > 0:
-            restore_s = self.costs.state_gb / (self.costs.ram_restore_gbps if from_ram else self.costs.storage_gbps)
+            restore_s = (self.costs.share_gb(max(1, min(self.nodes, live))) / self.costs.ram_restore_gbps if from_ram
+                         else self.costs.state_gb / self.costs.storage_gbps)
         self.restart_left = self.costs.restart_s + restore_s
         self.start_attempt(live, mtbf_s)
 
@@ -227,7 +237,8 @@ class _Job:
         self.waiting = self.nodes < self.fleet.min_nodes
         self.history = []
         if self.method.kind == "checkfreq":
-            self.k = self.method.every or policy_k(self.costs, mtbf_s)
+            self.k = self.method.every or policy_k(self.costs, mtbf_s, nodes=max(1, self.nodes),
+                                                   full_nodes=self.fleet.full_nodes)
         elif self.method.every is not None:
             self.k = self.method.every
         self.ks.append(self.interval() or 0)
@@ -239,7 +250,7 @@ def simulate(fleet: Fleet, method: Method, costs: Costs) -> Outcome:
     end = fleet.end_s if fleet.end_s is not None else instants[-1][0]
     job = _Job(method=method, costs=costs, fleet=fleet)
     ideal, live, now, preemptions = 0.0, 0, instants[0][0], 0
-    started = False
+    started, first_start = False, 0.0
     for time, removed, live_after in instants + [(end, 0, -1)]:
         time = min(time, end)
         if live >= fleet.min_nodes:
@@ -250,10 +261,11 @@ def simulate(fleet: Fleet, method: Method, costs: Costs) -> Outcome:
             break
         if removed and started and not job.waiting:  # running or restarting: preempted
             preemptions += 1
-            job.preempt(now, live_after, (now - instants[0][0]) / preemptions)
+            job.preempt(now, live_after, mtbf_estimate(now - first_start, preemptions))
         elif live_after >= fleet.min_nodes and (not started or job.waiting):  # (re)starts on enough nodes
-            started = True
-            job.start_attempt(live_after, (now - instants[0][0]) / preemptions if preemptions else None)
+            if not started:
+                started, first_start = True, now
+            job.start_attempt(live_after, mtbf_estimate(now - first_start, preemptions))
         live = live_after
     return Outcome(method=method.name, goodput=job.progress / ideal if ideal else 0.0, iterations=job.progress,
                    ideal_iterations=ideal, lost_iterations=job.lost, restarts=job.restarts, stall_s=job.stall_s,

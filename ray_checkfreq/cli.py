@@ -84,7 +84,8 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 # The benchmarks are not part of the library (nor of its wheel): they live in the repository's
 # top-level ``benchmarks/`` package, loaded by name only when ``bench`` runs. The names are
 # repeated here so that ``--help`` works without it; tests/test_cli.py keeps both lists equal.
-BENCHMARK_NAMES = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "sharded", "all")
+BENCHMARK_NAMES = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "sharded", "goodput",
+                   "all")
 
 
 def _benchmark_module(name: str):

@@ -21,6 +21,9 @@ def test_without_preemptions_goodput_is_the_checkpoint_cost_alone() -> None:
     ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
     assert ours.goodput == pytest.approx(10 / 10.1)  # the snapshot only; the upload runs beside
     assert ours.restarts == 0 and ours.lost_iterations == 0
+    sharded = Costs(**{**COSTS.__dict__, "sharded": True})  # each of 2 nodes copies half the state
+    halved = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), sharded)
+    assert halved.goodput == pytest.approx(10 / 10.05)
 
 
 def test_a_preemption_costs_the_work_since_what_each_method_can_recover_plus_the_restart() -> None:
@@ -72,7 +75,9 @@ def test_the_oracle_is_at_least_every_fixed_interval_and_the_policy_k_comes_from
     best = oracle(fleet, method, COSTS, candidates=[1, 5, 20, 80])
     for k in (1, 5, 20, 80):
         assert best.goodput >= simulate(fleet, Method(name="k", kind="checkfreq", every=k), COSTS).goodput
-    observed_mtbf = [t / n for n, t in enumerate(range(300, 6000, 300), 1)]
-    assert simulate(fleet, method, COSTS).k == [policy_k(COSTS, None)] + [policy_k(COSTS, m) for m in observed_mtbf]
+    observed_mtbf = [t / (n + 1) for n, t in enumerate(range(300, 6000, 300), 1)]  # mtbf_estimate
+    expected = [policy_k(COSTS, m, nodes=2, full_nodes=2) for m in [None, *observed_mtbf]]
+    assert max(expected) > expected[0]  # Young/Daly raised it once the rate was seen
+    assert simulate(fleet, method, COSTS).k == expected
     with pytest.raises(ValueError, match="every-N method needs every"):
         Method(name="x", kind="sync")

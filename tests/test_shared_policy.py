@@ -103,6 +103,37 @@ def test_a_restart_at_the_same_world_size_keeps_the_learned_k_and_another_size_s
     assert shared.decision()["generation"] == 3
 
 
+def test_rare_preemptions_raise_k_to_young_daly_and_frequent_ones_leave_p_in_charge():
+    """The restarts seen give the preemption rate: at one restart in 2 hours and 0.05 s per
+    checkpoint, sqrt(2 * 0.05 * 3600) = 19 s is k = 189 at 0.1 s iterations (p alone: 4);
+    with a restart every 10 s Young/Daly's k (10) is under p's floor and p's k stands."""
+    rare = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    rare.start(generation=1, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)
+    assert rare.decision()["goodput_k"] == 1 and rare.k == 4  # nothing seen yet
+    assert rare.start(generation=2, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=7200.0) == \
+        math.floor(math.sqrt(2 * 0.05 * 3600) / TI)
+    assert rare.decision()["restarts"] == 1 and rare.decision()["mtbf_s"] == 3600.0
+    assert rare.history[-1]["reason"] == "goodput"
+    frequent = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    for generation in range(1, 6):
+        k = frequent.start(generation=generation, world_size=2, k=40, k_floor=20, iter_s=TI, cost_s=0.05,
+                           now_s=10.0 * generation)
+    assert frequent.decision()["goodput_k"] < 20 and k == 40
+    capped = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    capped.start(generation=1, world_size=2, k=4, k_floor=2, iter_s=TI, k_cap=50, cost_s=0.05, now_s=0.0)
+    assert capped.start(generation=2, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=7200.0) == 50
+
+
+def test_the_preemption_rate_estimate_grows_with_quiet_time_between_persists():
+    shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    shared.start(generation=1, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)
+    shared.record_persist(generation=1, report=PersistReport(step=4, seconds=0.01), now_s=0.5)
+    assert shared.k == 4  # 0.5 s without a preemption: Young/Daly's k is 2, under p's
+    shared.record_persist(generation=1, report=PersistReport(step=8, seconds=0.01), now_s=20_000.0)
+    assert shared.k == math.floor(math.sqrt(2 * 0.05 * 20_000) / TI)  # no restart in 5.5 hours
+    assert shared.decision()["mtbf_s"] == 20_000.0
+
+
 def test_reports_before_start_or_from_unknown_ranks_are_ignored():
     shared = SharedPolicy()
     shared.record_iterations(generation=0, rank=0, reports=iterations(1, 5))

@@ -16,7 +16,10 @@ inflation of the iterations that ran beside a profiling persist, its stalls incl
 and k is never below kcost = ceil(max(To, C) / (p * Ti)).
 
 With a mean time between failures, Young/Daly's interval sqrt(2 * C * MTBF) (C = the
-stall a checkpoint costs) also bounds k from above, unless p forbids it.
+stall a checkpoint costs) also bounds k from above, unless p forbids it. A run-wide
+policy that observes the preemption rate (ray/shared_policy.py) uses the same interval as
+a floor instead (``goodput_interval``): where preemptions are rare it checkpoints less
+often than p allows, where they are frequent p's k stands.
 
 A lost-work bound ``k_cap`` (by default a quarter of an epoch, but never under 10 s of
 iterations) bounds k from above whatever p asks: the user chose to lose at most that much
@@ -134,6 +137,24 @@ def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
     if mtbf_s <= 0:
         raise ValueError(f"mtbf_s={mtbf_s!r}: must be > 0")
     return math.sqrt(2.0 * max(checkpoint_cost_s, 0.0) * mtbf_s)
+
+
+def goodput_interval(cost_s: float, mtbf_s: float, iter_s: float) -> int:
+    """The k that maximises goodput at this checkpoint cost and mean time between
+    preemptions (Young/Daly): fewer checkpoints when preemptions are rare. A floor under
+    the overhead bound's k, never a reason to checkpoint more often than p allows."""
+    if not iter_s > 0:
+        raise ValueError(f"iter_s={iter_s!r}: must be > 0")
+    return max(1, math.floor(_round(young_daly_interval_s(cost_s, mtbf_s) / iter_s)))
+
+
+def mtbf_estimate(running_s: float, restarts: int) -> float | None:
+    """The mean time between preemptions a run has seen: its time since it first started
+    over its restarts plus the one to come (never rarer than what was observed); None
+    before it has run at all."""
+    if running_s <= 0 or restarts < 0:
+        return None
+    return running_s / (restarts + 1)
 
 
 def checkpoint_cost_s(profile: Profile, stall_s: float) -> float:

@@ -47,13 +47,13 @@ class PolicyActor:
             threading.Thread(target=self._watch_lease, name="rcf-policy-lease", daemon=True).start()
 
     def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float, overhead: float,
-              adaptive: dict, k_cap: int | None = None) -> int:
+              adaptive: dict, k_cap: int | None = None, cost_s: float = 0.0) -> int:
         self._renewed = time.monotonic()
         config = SharedPolicyConfig(overhead=overhead, adaptive=AdaptiveConfig(**adaptive))
         if self._policy is None or self._policy.config != config:
             self._policy = SharedPolicy(config)
         return self._policy.start(generation=generation, world_size=world_size, k=k, k_floor=k_floor,
-                                  iter_s=iter_s, k_cap=k_cap)
+                                  iter_s=iter_s, k_cap=k_cap, cost_s=cost_s, now_s=time.monotonic())
 
     def record_iterations(self, generation: int, rank: int, rows: list[tuple[int, float, float, bool]]) -> None:
         self._renewed = time.monotonic()
@@ -64,7 +64,8 @@ class PolicyActor:
 
     def record_persist(self, generation: int, report: dict) -> None:
         if self._policy is not None:
-            self._policy.record_persist(generation=generation, report=PersistReport(**report))
+            self._policy.record_persist(generation=generation, report=PersistReport(**report),
+                                        now_s=time.monotonic())
 
     def decision(self) -> dict | None:
         return self._policy.decision() if self._policy is not None else None

@@ -25,7 +25,8 @@ class PolicyFollower:
             if engine.policy_ready and engine.decision is not None and engine.profile is not None:
                 link.start(world_size=world_size, k=engine.decision.k, k_floor=engine.decision.k_floor,
                            iter_s=engine.profile.iter_s, overhead=engine.config.overhead,
-                           adaptive=asdict(engine.config.adaptive_config), k_cap=engine.decision.k_cap)
+                           adaptive=asdict(engine.config.adaptive_config), k_cap=engine.decision.k_cap,
+                           cost_s=engine.decision.cost_s)
             return
         decision = link.poll()
         if (decision is None or decision.get("generation") != generation or decision.get("k") is None

@@ -15,6 +15,11 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
   The need is the slowest of the last ``persist_memory`` (2) persists, so it falls again once
   persists are quick, and the adaptive rate then brings k down step by step.
 - k never exceeds the engine's lost-work bound (``k_cap``), whatever the persists need.
+- the restarts it sees (a ``start`` of a newer generation) give the run's preemption rate
+  (``policy.mtbf_estimate``); with the engine's measured cost of one checkpoint, Young/Daly's
+  goodput-optimal interval (``policy.goodput_interval``) is another floor under k: where
+  preemptions are rare the run checkpoints less often than p allows. It is evaluated at
+  each start and each persist.
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
 agent of a group that was replaced) is ignored. ``start`` with the same world size keeps
@@ -30,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
+from ray_checkfreq.engine.policy import goodput_interval, mtbf_estimate
 
 PENDING_LIMIT = 4096  # iterations waiting for the other ranks' reports, at most
 
@@ -85,20 +91,31 @@ class SharedPolicy:
         self._persists: deque[PersistReport] = deque(maxlen=self.config.persist_memory)
         self._last_iteration = 0
         self._aggregated = 0
+        self._restarts = 0
+        self._first_start_s: float | None = None
+        self._cost_s = 0.0  # what one checkpoint costs training, as the engine measured it
+        self._now_s = 0.0
 
     # ------------------------------------------------------------------ start
     def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float,
-              k_cap: int | None = None) -> int:
-        """Rank 0's engine has its policy (profiled or cached): the k every rank uses now."""
+              k_cap: int | None = None, cost_s: float = 0.0, now_s: float = 0.0) -> int:
+        """Rank 0's engine has its policy (profiled or cached): the k every rank uses now.
+        ``cost_s``: what one checkpoint costs training; ``now_s``: a monotonic clock."""
         if generation < self.generation:
             raise ValueError(f"generation {generation} is older than this run's {self.generation}")
-        if k < 1 or k_floor < 1 or not iter_s > 0 or world_size < 1:
-            raise ValueError(f"start(k={k}, k_floor={k_floor}, iter_s={iter_s}, world_size={world_size}): "
-                             "k, k_floor and world_size must be >= 1, iter_s > 0")
+        if k < 1 or k_floor < 1 or not iter_s > 0 or world_size < 1 or cost_s < 0:
+            raise ValueError(f"start(k={k}, k_floor={k_floor}, iter_s={iter_s}, world_size={world_size}, "
+                             f"cost_s={cost_s}): k, k_floor and world_size must be >= 1, iter_s > 0, cost_s >= 0")
+        if self._first_start_s is None:
+            self._first_start_s = now_s
+        elif generation > self.generation:
+            self._restarts += 1
+        self._now_s, self._cost_s = max(self._now_s, now_s), cost_s
         previous = self._rate if world_size == self.world_size else None
         self.generation, self.world_size = generation, world_size
         self._pending.clear()
         if previous is not None:
+            self._apply_floor()
             return previous.k
         self._base_floor = k_floor
         self._iter_ref_s = iter_s
@@ -106,6 +123,7 @@ class SharedPolicy:
         self._rate = AdaptiveRate(k=k, k_floor=k_floor, overhead=self.config.overhead,
                                   config=self.config.adaptive, reference_iter_s=iter_s, k_cap=k_cap)
         self._changed(self._rate.k, "profile")
+        self._apply_floor()
         return self._rate.k
 
     @property
@@ -124,10 +142,12 @@ class SharedPolicy:
             for iteration in sorted(self._pending)[:-PENDING_LIMIT]:
                 del self._pending[iteration]
 
-    def record_persist(self, *, generation: int, report: PersistReport) -> None:
+    def record_persist(self, *, generation: int, report: PersistReport, now_s: float | None = None) -> None:
         if generation != self.generation or self._rate is None:
             return
         self._persists.append(report)
+        if now_s is not None:
+            self._now_s = max(self._now_s, now_s)
         self._apply_floor()
 
     def _aggregate(self, iteration: int, by_rank: dict[int, IterationReport]) -> None:
@@ -149,14 +169,27 @@ class SharedPolicy:
         slowest = max(p.seconds for p in self._persists)
         return max(1, math.ceil(round(self.config.persist_margin * slowest / self._iter_ref_s, 9)))
 
+    def mtbf_s(self) -> float | None:
+        """The run's mean time between preemptions as observed (``policy.mtbf_estimate``)."""
+        if self._first_start_s is None:
+            return None
+        return mtbf_estimate(self._now_s - self._first_start_s, self._restarts)
+
+    def goodput_k(self) -> int:
+        """Young/Daly's k at the observed preemption rate and the engine's checkpoint cost."""
+        mtbf = self.mtbf_s()
+        if mtbf is None or self._cost_s <= 0:
+            return 1
+        return goodput_interval(self._cost_s, mtbf, self._iter_ref_s)
+
     def _apply_floor(self) -> None:
         rate = self._rate
         assert rate is not None
-        need = self.persist_need()
-        floor = min(rate.k_cap, max(self._base_floor, need))
+        need, goodput = self.persist_need(), self.goodput_k()
+        floor = min(rate.k_cap, max(self._base_floor, need, goodput))
         if rate.k < floor:
             rate.restart_at(floor, k_floor=floor)
-            self._changed(rate.k, "persist")
+            self._changed(rate.k, "goodput" if goodput >= need and goodput > self._base_floor else "persist")
         else:
             rate.k_floor = floor  # k may come down to it again, no lower
 
@@ -181,5 +214,8 @@ class SharedPolicy:
             "persist_cpu_s": [p.cpu_s for p in self._persists],
             "iterations_aggregated": self._aggregated,
             "iter_ref_s": self._iter_ref_s,
+            "restarts": self._restarts,
+            "mtbf_s": self.mtbf_s(),
+            "goodput_k": self.goodput_k(),
         }
 

@@ -1,0 +1,102 @@
+"""``ray-checkfreq bench goodput``: goodput by checkpointing method over a real spot trace,
+at full scale, from the discrete-event model (``goodput_sim.py``).
+
+For each state size it prints every method's goodput (iterations kept over an ideal job's
+on the same nodes), the iterations recomputed, the restarts and the seconds stalled and
+restarting; then the best fixed interval of each mechanism, chosen knowing the whole trace
+(an oracle no user has), and ours as a share of its oracle. The costs are the options'
+(stated, not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from benchmarks.goodput_sim import Costs, Fleet, Method, Outcome, oracle, simulate
+from ray_checkfreq.chaos.trace import TraceSlice, instants, read_trace
+
+TRACE = Path(__file__).resolve().parent / "traces" / "ec2-p3-spot.csv"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--trace", default=str(TRACE), help="time_ms,add|remove,node file (default: the EC2 p3 trace)")
+    add("--trace-start", type=float, default=0.0, help="trace seconds to skip")
+    add("--trace-duration", type=float, default=None, help="trace seconds to model (default: to the end)")
+    add("--state-gb", default="1,10,100", help="comma-separated state sizes (default 1,10,100)")
+    add("--storage-gbps", type=float, default=Costs.storage_gbps, help="the job's storage bandwidth, GB/s")
+    add("--iter-s", type=float, default=Costs.iter_s, help="an iteration on every node of the trace's peak")
+    add("--restart-s", type=float, default=Costs.restart_s, help="a restart, restore apart")
+    add("--notice-s", type=float, default=0.0, help="warning before a node goes (AWS: 120)")
+    add("--every", type=int, default=100, help="N of the every-N baselines (default 100)")
+    add("--epoch-iterations", type=int, default=Costs.epoch_iterations)
+    add("--sharded", action="store_true", help="the state sharded over the job's nodes (FSDP2)")
+    add("--json", default=None, help="write the figures here too")
+
+
+def run(args: argparse.Namespace) -> int:
+    window = TraceSlice(start_s=args.trace_start, duration_s=args.trace_duration)
+    fleet = _fleet(args.trace, window)
+    base = Costs(iter_s=args.iter_s, storage_gbps=args.storage_gbps, restart_s=args.restart_s,
+                 notice_s=args.notice_s, epoch_iterations=args.epoch_iterations, sharded=args.sharded)
+    print(f"trace {args.trace}: {len(fleet.instants)} instants, "
+          f"{sum(1 for _, removed, _ in fleet.instants if removed)} with preemptions, up to {fleet.full_nodes} "
+          f"nodes, {(fleet.end_s or 0) / 3600:.1f} h")
+    figures = {}
+    for size in [float(part) for part in args.state_gb.split(",")]:
+        costs = replace(base, state_gb=size)
+        figures[f"{size:g} GB"] = _one_size(fleet, costs, args.every)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"costs": asdict(base), "sizes": figures}, indent=1))
+    return 0
+
+
+def _fleet(path: str, window: TraceSlice) -> Fleet:
+    moments = instants(read_trace(path))
+    end = moments[-1][0] if window.duration_s is None else window.start_s + window.duration_s
+    kept = [(time - window.start_s, removed, live) for time, removed, live in moments
+            if window.start_s <= time <= end]
+    live_before = [live for time, _, live in moments if time < window.start_s]
+    if live_before:
+        kept.insert(0, (0.0, 0, live_before[-1]))
+    return Fleet(kept, full_nodes=max(live for _, _, live in kept), end_s=end - window.start_s)
+
+
+def _one_size(fleet: Fleet, costs: Costs, every: int) -> dict:
+    methods = [Method(name="ours (policy)", kind="checkfreq"),
+               Method(name="Ray Train, per epoch", kind="epoch"),
+               Method(name=f"sync every {every}", kind="sync", every=every),
+               Method(name=f"async every {every}", kind="async", every=every),
+               Method(name="no checkpoint", kind="none")]
+    outcomes = [simulate(fleet, method, costs) for method in methods]
+    oracles = [oracle(fleet, Method(name=name, kind=kind, every=1), costs)
+               for name, kind in (("ours", "checkfreq"), ("async", "async"), ("sync", "sync"))]
+    print(f"\n{costs.state_gb:g} GB state, storage {costs.storage_gbps:g} GB/s, iteration {costs.iter_s:g} s"
+          f"{', sharded' if costs.sharded else ''}:")
+    print(f"{'method':30s} {'goodput':>8s} {'recomputed':>11s} {'restarts':>8s} {'stalled s':>10s} "
+          f"{'restarting s':>12s}")
+    for outcome in outcomes + oracles:
+        print(_row(outcome))
+    share = outcomes[0].goodput / oracles[0].goodput if oracles[0].goodput else 0.0
+    print(f"ours / its oracle fixed interval: {share:.3f}; ours / Ray Train per epoch: "
+          f"{_ratio(outcomes[0].goodput, outcomes[1].goodput)}")
+    return {"methods": [_as_json(o) for o in outcomes], "oracles": [_as_json(o) for o in oracles],
+            "ours_over_oracle": round(share, 4)}
+
+
+def _row(outcome: Outcome) -> str:
+    return (f"{outcome.method:30s} {outcome.goodput:8.3f} {outcome.lost_iterations:11.0f} {outcome.restarts:8d} "
+            f"{outcome.stall_s:10.0f} {outcome.restart_s:12.0f}")
+
+
+def _ratio(ours: float, other: float) -> str:
+    return f"{ours / other:.1f}x" if other > 0 else "inf (the baseline keeps nothing)"
+
+
+def _as_json(outcome: Outcome) -> dict:
+    data = asdict(outcome)
+    data["k"] = sorted(set(outcome.k))
+    return data
