@@ -81,3 +81,21 @@ def test_the_oracle_is_at_least_every_fixed_interval_and_the_policy_k_comes_from
     assert simulate(fleet, method, COSTS).k == expected
     with pytest.raises(ValueError, match="every-N method needs every"):
         Method(name="x", kind="sync")
+
+
+def test_bench_goodput_projects_a_slice_of_the_shipped_trace(tmp_path, capsys) -> None:
+    import json
+
+    from ray_checkfreq import cli
+
+    out = tmp_path / "goodput.json"
+    assert cli.main(["bench", "goodput", "--state-gb", "1", "--trace-start", "3600", "--trace-duration", "7200",
+                     "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["sizes"]["1 GB"]
+    methods = {m["method"]: m for m in figures["methods"]}
+    assert set(methods) == {"ours (policy)", "Ray Train, per epoch", "sync every 100", "async every 100",
+                            "no checkpoint"}
+    assert all(m["restarts"] == methods["no checkpoint"]["restarts"] > 0 for m in methods.values())
+    assert methods["ours (policy)"]["goodput"] > methods["sync every 100"]["goodput"]
+    assert 0.9 < figures["ours_over_oracle"] <= 1.1
+    assert "ours / its oracle fixed interval" in capsys.readouterr().out
