@@ -1,11 +1,16 @@
-"""``ray-checkfreq bench goodput``: goodput by checkpointing method over a real spot trace,
-at full scale, from the discrete-event model (``goodput_sim.py``).
+"""``ray-checkfreq bench goodput``: goodput by checkpointing method over a real spot trace.
 
-For each state size it prints every method's goodput (iterations kept over an ideal job's
-on the same nodes), the iterations recomputed, the restarts and the seconds stalled and
-restarting; then the best fixed interval of each mechanism, chosen knowing the whole trace
-(an oracle no user has), and ours as a share of its oracle. The costs are the options'
-(stated, not measured here).
+1. The replay (``goodput_replay.py``, skipped with ``--model-only``): a slice of the trace,
+   time-compressed, against one elastic TorchTrainer job per method on a local cluster of
+   at most ``--max-nodes`` one-CPU nodes, after a reference run without preemptions. Per
+   method: goodput (iterations kept over the reference's throughput times the slice),
+   iterations recomputed, restarts, the time from each preemption to the next step and
+   where it went, checkpoint overhead; ``--png`` draws the timelines.
+2. The model (``goodput_sim.py``) fed with the replay's own measured costs, on the same
+   slice: its goodput beside the measured one, per method.
+3. The model at full scale over the whole trace for each ``--state-gb``: every method,
+   each mechanism's best fixed interval chosen knowing the whole trace (an oracle no user
+   has), and ours as a share of its oracle. Those costs are the options' (stated).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from benchmarks import goodput_job
 from benchmarks.goodput_sim import Costs, Fleet, Method, Outcome, oracle, simulate
 from ray_checkfreq.chaos.trace import TraceSlice, instants, read_trace
 
@@ -35,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--epoch-iterations", type=int, default=Costs.epoch_iterations)
     add("--sharded", action="store_true", help="the state sharded over the job's nodes (FSDP2)")
     add("--json", default=None, help="write the figures here too")
+    add("--model-only", action="store_true", help="skip the replay (parts 1 and 2)")
+    add("--replay-start", type=float, default=10800.0, help="trace second the replay's slice begins at")
+    add("--replay-duration", type=float, default=2700.0, help="trace seconds the replay's slice lasts")
+    add("--compression", type=float, default=30.0, help="trace seconds per replayed second (default 30)")
+    add("--max-nodes", type=int, default=3, help="local training nodes at most (default 3)")
+    add("--variants", default=",".join(goodput_job.VARIANTS), help="which methods the replay runs")
+    add("--png", default=None, help="draw the replay's timelines here (matplotlib)")
+    add("--work-dir", default=None, help="where the replay's runs go (default: a temporary directory)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,13 +59,50 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace {args.trace}: {len(fleet.instants)} instants, "
           f"{sum(1 for _, removed, _ in fleet.instants if removed)} with preemptions, up to {fleet.full_nodes} "
           f"nodes, {(fleet.end_s or 0) / 3600:.1f} h")
+    replay = None if args.model_only else _replay(args)
     figures = {}
     for size in [float(part) for part in args.state_gb.split(",")]:
         costs = replace(base, state_gb=size)
         figures[f"{size:g} GB"] = _one_size(fleet, costs, args.every)
     if args.json:
-        Path(args.json).write_text(json.dumps({"costs": asdict(base), "sizes": figures}, indent=1))
+        Path(args.json).write_text(json.dumps({"replay": replay, "costs": asdict(base), "sizes": figures}, indent=1))
     return 0
+
+
+def _replay(args: argparse.Namespace) -> dict:
+    import tempfile
+    import time
+
+    from benchmarks import goodput_replay as replay
+    from ray_checkfreq.chaos.trace import LocalSchedule, local_schedule
+
+    window = TraceSlice(start_s=args.replay_start, duration_s=args.replay_duration, compression=args.compression)
+    schedule = local_schedule(read_trace(args.trace), window, max_nodes=args.max_nodes)
+    job = replay.ReplayJob()
+    root = args.work_dir or tempfile.mkdtemp(prefix="rcf-goodput-")
+    removes = sum(e.action == "remove" for e in schedule.events)
+    print(f"replay: trace seconds {window.start_s:g} to {window.start_s + args.replay_duration:g}, "
+          f"{args.compression:g}x faster: {schedule.duration_s:.0f} s, {removes} node losses, "
+          f"{schedule.initial_nodes} to {args.max_nodes} one-CPU nodes; job state {job.state_mb:.1f} MiB, "
+          f"runs under {root}")
+    started = time.monotonic()
+    quiet = LocalSchedule(initial_nodes=schedule.initial_nodes, events=[], peak_live=schedule.peak_live,
+                          duration_s=min(45.0, schedule.duration_s))
+    reference = replay.run_variant("none", quiet, job, f"{root}/reference", max_nodes=args.max_nodes)
+    rate = replay.reference_rate(reference)
+    print(f"reference (no preemption, {schedule.initial_nodes} nodes): {rate:.2f} iterations/s")
+    runs, rows = {}, []
+    for variant in args.variants.split(","):
+        print(f"--- {variant} ---")
+        runs[variant] = replay.run_variant(variant, schedule, job, f"{root}/{variant}", max_nodes=args.max_nodes)
+        rows.append(replay.figures(runs[variant], reference_rate=rate))
+    print(replay.table(rows))
+    modelled = replay.model_check(rows, runs, schedule, job, rate=rate, max_nodes=args.max_nodes)
+    print(replay.model_table(modelled))
+    if args.png:
+        replay.plot(runs, args.png)
+    print(f"replay wall time: {time.monotonic() - started:.0f} s")
+    return {"reference_rate": rate, "variants": rows, "model": modelled, "work_dir": root}
 
 
 def _fleet(path: str, window: TraceSlice) -> Fleet:

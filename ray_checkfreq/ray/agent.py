@@ -23,6 +23,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -373,6 +374,26 @@ def live_agents(run: str) -> dict[str, Any]:
                 found[entry["name"][len(prefix):]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
             except ValueError:  # died between the listing and the lookup
                 continue
+    return found
+
+
+def started_agents(live: Mapping[str, Any]) -> dict[str, Any]:
+    """The agents of ``live`` whose process has started. One still being created (the
+    agent of a node that joined with this attempt, started without waiting) holds no slot
+    and runs no persist: a restart has nothing to wait for or read there. The state comes
+    from the GCS actor table (Ray's ``ray._private.state``, read in Ray 2.60's source); where
+    that cannot be read, an agent counts as started."""
+    from ray._private import state
+
+    found = {}
+    for node, handle in live.items():
+        try:
+            pending = state.actors(actor_id=handle._actor_id.hex()).get("State") in (
+                "DEPENDENCIES_UNREADY", "PENDING_CREATION")
+        except Exception:  # a private API: when it changes, wait on the agent as before
+            pending = False
+        if not pending:
+            found[node] = handle
     return found
 
 

@@ -86,7 +86,9 @@ def start_agent(*, run: str, node_id: str, model: torch.nn.Module, optimizer: to
                        shm_dir, free >> 20, needed >> 20)
         return None
     handle = agents.get_or_create_agent(run, node_id, lease_s=lease_s, slot_count=slot_count)
-    ray.get(handle.renew.remote())
+    # Not awaited: a new node's agent starts (a process, its imports) while this rank sets up
+    # and restores; the first snapshot's slot allocation waits for it if it must.
+    handle.renew.remote()
     return handle
 
 

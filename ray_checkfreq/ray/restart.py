@@ -1,6 +1,7 @@
 """The restart protocol: where a restarted run resumes from, and how every rank gets there.
 
-``RestartProtocol.decide`` (rank 0, then broadcast): find the run's live agents; wait for
+``RestartProtocol.decide`` (rank 0, then broadcast): find the run's live agents (those
+whose process has started: a new node's, started without waiting, holds nothing); wait for
 their in-flight persists (bounded); only then take a new writer generation; choose with
 ``choose_source`` (pure) over the newest commit and every agent's COMPLETE slots.
 ``RestartProtocol.apply`` (every rank): the rank on the chosen slot's node (rank 0 for
@@ -155,7 +156,7 @@ class RestartProtocol:
     def _choose(self) -> tuple[RestoreChoice, int]:
         if self.sharded:
             return self._choose_sharded()
-        live = agents.live_agents(self.run)
+        live = agents.started_agents(agents.live_agents(self.run))
         wait_for_persists(live, wait_s=self.wait_s, warn_every_s=self.warn_every_s)
         generation = self.store.acquire_writer()  # only now: a persist still running is fenced
         headers = slot_headers(live)
@@ -177,7 +178,7 @@ class RestartProtocol:
                            salvaged.step)
         newest = newest_exact(self.store)  # a replicated one loads too
         committed = newest.step if newest is not None else None
-        slot_found, peer_found = ram_headers(agents.live_agents(self.run))
+        slot_found, peer_found = ram_headers(agents.started_agents(agents.live_agents(self.run)))
         in_ram = choose_shard_sources(committed_step=committed, slot_headers=slot_found, peer_headers=peer_found,
                                       run=self.run, world_size=self.world_size, rank_nodes=self.nodes)
         if in_ram is not None:

@@ -1,0 +1,345 @@
+"""The goodput replay: a slice of a spot trace, time-compressed, replayed against one
+elastic TorchTrainer job per checkpointing method on a local multi-node cluster.
+
+Per variant: a fresh ``cluster_utils.Cluster`` with the slice's initial node count (one-CPU
+nodes), the job (``goodput_job.py``) under ``ScalingConfig(num_workers=(1, max_nodes))`` and
+``FailureConfig(max_failures=-1)``; once it trains, the slice's events fire at their times
+(``trace.local_schedule``): a ``remove`` takes away a node that runs a worker (a node loss:
+``remove_node(allow_graceful=False)``), an ``add`` adds a node. At the slice's end the job
+is asked to stop. A reference run without events measures the failure-free throughput on
+the initial nodes first. Everything is measured from the job's own log (rank 0's) and the
+driver's event times, in wall seconds.
+
+It owns its clusters: run it in a process without Ray (the CLI is one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks import goodput_job
+from benchmarks.goodput_sim import Costs, Fleet, Method, simulate
+from ray_checkfreq.chaos.harness import TrainJob, fit_job
+from ray_checkfreq.chaos.kinds import TRAIN_RESOURCE, LocalCluster
+from ray_checkfreq.chaos.trace import LocalSchedule
+
+MiB = 1 << 20
+RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "0"}
+FIRST_STEP_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayJob:
+    """The job every variant trains, and how it checkpoints."""
+
+    width: int = 512
+    layers: int = 8  # 8 x (512 x 512 + 512) floats x 3 (weights, two Adam moments): ~25 MiB
+    global_batch: int = 64
+    every: int = 50  # N of the every-N baselines
+    epoch_len: int = 400
+    overhead: float = 0.035
+
+    @property
+    def state_mb(self) -> float:
+        """Weights and Adam's two moments, MiB."""
+        return 3 * self.layers * (self.width * self.width + self.width) * 4 / MiB
+
+
+def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir: str, *,
+                max_nodes: int, seed: int = 0, say: Any = print) -> dict:
+    """One variant over the schedule (``schedule.events`` empty: the reference run)."""
+    import ray
+
+    os.environ.update({key: os.environ.get(key, value) for key, value in RAY_ENV.items()})
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    os.makedirs(work_dir, exist_ok=True)
+    log_dir, stop_file = os.path.join(work_dir, "logs"), os.path.join(work_dir, "stop")
+    os.makedirs(log_dir, exist_ok=True)
+    cluster = LocalCluster(nodes=schedule.initial_nodes)
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False, logging_level=logging.ERROR)
+    driver: list[dict] = []
+    try:
+        config = {"variant": variant, "log_dir": log_dir, "stop_file": stop_file, "width": job.width,
+                  "layers": job.layers, "global_batch": job.global_batch, "every": job.every,
+                  "epoch_len": job.epoch_len, "overhead": job.overhead}
+        train = TrainJob(train=goodput_job.train, config=config, name=f"goodput-{variant}",
+                         storage_path=os.path.join(work_dir, "results"), workers=(1, max_nodes),
+                         resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=-1,
+                         timeout_s=FIRST_STEP_TIMEOUT_S + schedule.duration_s + STOP_TIMEOUT_S)
+        outcome: dict[str, Any] = {}
+        fitting = threading.Thread(target=lambda: outcome.update(result=fit_job(train, raise_errors=False)),
+                                   name="rcf-goodput-fit", daemon=True)
+        fitting.start()
+        t0 = _first_step(log_dir, fitting)
+        driver.append({"t": t0, "event": "first_step", "nodes": schedule.initial_nodes})
+        _follow(schedule, cluster, t0, driver, random.Random(seed), say, log_dir)
+        with open(stop_file, "w"):
+            pass
+        driver.append({"t": time.time(), "event": "stop"})
+        fitting.join(STOP_TIMEOUT_S)
+        error = outcome.get("result") if isinstance(outcome.get("result"), Exception) else None
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    log, workers = _read_log(log_dir), _read_lines(os.path.join(log_dir, goodput_job.WORKERS_NAME))
+    with open(os.path.join(work_dir, "events.json"), "w") as out:
+        json.dump({"driver": driver, "log": log, "workers": workers}, out)
+    return {"variant": variant, "driver": driver, "log": log, "workers": workers,
+            "error": None if error is None else repr(error)}
+
+
+def _first_step(log_dir: str, fitting: threading.Thread) -> float:
+    deadline = time.time() + FIRST_STEP_TIMEOUT_S
+    while time.time() < deadline and fitting.is_alive():
+        steps = [e for e in _read_log(log_dir) if e["event"] == "step"]
+        if steps:
+            return float(steps[0]["t"])
+        time.sleep(0.2)
+    raise RuntimeError(f"the job did not train within {FIRST_STEP_TIMEOUT_S:g} s (see {log_dir})")
+
+
+def _follow(schedule: LocalSchedule, cluster: LocalCluster, t0: float, driver: list[dict], rng: random.Random,
+            say: Any, log_dir: str) -> None:
+    """Fire the schedule's events at their times (this thread: ``add_node`` needs the main one)."""
+    nodes, last_removal = schedule.initial_nodes, 0.0
+    for event in schedule.events:
+        _sleep_until(t0 + event.at_s)
+        if event.action == "remove":
+            node = _node_to_take(cluster, log_dir, last_removal, rng)
+            if node is None:
+                driver.append({"t": time.time(), "event": "skipped", "why": "no worker node to take"})
+                continue
+            cluster.remove(node)
+            nodes, last_removal = nodes - 1, time.time()
+            driver.append({"t": time.time(), "event": "remove", "node": node, "nodes": nodes,
+                           "trace_time_s": event.trace_time_s})
+            say(f"[{time.time() - t0:7.1f} s] preemption: node {node[:8]} removed ({nodes} left)")
+        else:
+            node = cluster.add_node()
+            nodes += 1
+            driver.append({"t": time.time(), "event": "add", "node": node, "nodes": nodes,
+                           "trace_time_s": event.trace_time_s})
+            say(f"[{time.time() - t0:7.1f} s] node {node[:8]} added ({nodes} now)")
+    _sleep_until(t0 + schedule.duration_s)
+
+
+def _node_to_take(cluster: LocalCluster, log_dir: str, since: float, rng: random.Random) -> str | None:
+    """A live node on which a worker of the job started since ``since`` (the last removal),
+    else any live worker node."""
+    live = sorted(n.node_id for n in cluster.cluster.worker_nodes)
+    started = _read_lines(os.path.join(log_dir, goodput_job.WORKERS_NAME))
+    candidates = sorted({w["node"] for w in started if w["t"] >= since} & set(live)) or live
+    return rng.choice(candidates) if candidates else None
+
+
+def _sleep_until(t: float) -> None:
+    while (left := t - time.time()) > 0:
+        time.sleep(min(left, 0.2))
+
+
+def _read_log(log_dir: str) -> list[dict]:
+    return _read_lines(os.path.join(log_dir, goodput_job.LOG_NAME))
+
+
+def _read_lines(path: str) -> list[dict]:
+    """The complete JSON lines of ``path`` ([] before it exists)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as lines:
+        return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
+
+
+# ---------------------------------------------------------------------- figures
+def figures(run: dict, *, reference_rate: float) -> dict:
+    """Goodput and where the time went, from one variant's log and driver events."""
+    log, driver = run["log"], run["driver"]
+    t0 = next(e["t"] for e in driver if e["event"] == "first_step")
+    stop = next(e["t"] for e in driver if e["event"] == "stop")
+    attempts = _attempts(log, [w for w in run["workers"] if "t_start" in w])
+    steps = [e for e in log if e["event"] == "step" and e["t"] <= stop]
+    kept = steps[-1]["iteration"] if steps else 0
+    recomputed = sum(max(0, previous["reached"] - current["start"]["iteration"])
+                     for previous, current in zip(attempts, attempts[1:]))
+    preemptions = [e for e in driver if e["event"] == "remove"]
+    recoveries = [_recovery(e["t"], attempts) for e in preemptions]
+    ckpt_s = sum(e.get("ckpt_s", 0.0) for e in steps)
+    running_s = sum(a["running_s"] for a in attempts)
+    duration = stop - t0
+    return {
+        "variant": run["variant"],
+        "goodput": round(kept / (reference_rate * duration), 4) if reference_rate > 0 and duration > 0 else None,
+        "iterations_kept": kept,
+        "iterations_recomputed": recomputed,
+        "restarts": len(attempts) - 1,
+        "preemptions": len(preemptions),
+        "seconds": round(duration, 1),
+        "checkpoint_overhead": round(ckpt_s / running_s, 4) if running_s > 0 else None,
+        "recoveries": [r for r in recoveries if r is not None],
+        "error": run["error"],
+    }
+
+
+def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
+    """Each attempt of the job: rank 0's start, first step and newest iteration, and every
+    rank's timeline (those that finished their restore within 5 s of rank 0's)."""
+    attempts: list[dict] = []
+    for event in log:
+        if event["event"] == "start":
+            ranks = [line for line in timelines if abs(line["t_start"] - event["t"]) < 5.0]
+            attempts.append({"start": event, "ranks": ranks, "first_step": None, "reached": event["iteration"],
+                             "running_s": 0.0, "last_t": None})
+        elif event["event"] == "step" and attempts:
+            current = attempts[-1]
+            if current["first_step"] is None:
+                current["first_step"] = event
+            else:
+                current["running_s"] += event["t"] - current["last_t"]
+            current["last_t"] = event["t"]
+            current["reached"] = max(current["reached"], event["iteration"])
+    return attempts
+
+
+def _recovery(t: float, attempts: list[dict]) -> dict | None:
+    """From a preemption at ``t`` to the next attempt's first step, and where it went: to
+    the slowest rank's entry into the training function (Ray Train's group restart and
+    the process start), the job's own set-up (model, DDP), the checkpointing's set-up and
+    restore (ours: CheckFreq() and restore(); Ray Train's: get_checkpoint and load), the
+    first step."""
+    after = [a for a in attempts if a["start"]["t"] > t and a["first_step"] is not None and a["ranks"]]
+    if not after:
+        return None
+    attempt = after[0]
+    ranks = attempt["ranks"]
+    entered = max(r["t_entered"] for r in ranks)
+    set_up = max(r["t_set_up_begin"] for r in ranks)
+    done = attempt["start"]["t"]
+    return {"to_next_step_s": round(attempt["first_step"]["t"] - t, 2),
+            "group_restart_and_process_start_s": round(entered - t, 2),
+            "job_set_up_s": round(max(0.0, set_up - entered), 2),
+            "checkpointing_s": round(done - max(set_up, entered), 2),
+            "restore_s": round(done - max(r["t_restoring"] for r in ranks), 2),
+            "first_step_s": round(attempt["first_step"]["t"] - done, 2),
+            "resumed_at": attempt["start"]["iteration"]}
+
+
+def reference_rate(run: dict) -> float:
+    """Iterations per second of a run without preemptions, its first 10 % left out (warm-up)."""
+    steps = [e for e in run["log"] if e["event"] == "step"]
+    if len(steps) < 20:
+        raise RuntimeError(f"the reference run made {len(steps)} steps: too few to measure")
+    steady = steps[len(steps) // 10:]
+    return (steady[-1]["iteration"] - steady[0]["iteration"]) / (steady[-1]["t"] - steady[0]["t"])
+
+
+# ---------------------------------------------------------------------- tables
+def table(rows: list[dict]) -> str:
+    lines = [f"{'method':8s} {'goodput':>8s} {'kept':>6s} {'recomputed':>10s} {'restarts':>8s} "
+             f"{'to next step s':>14s} {'checkpointing s':>15s} {'overhead':>8s}"]
+    for row in rows:
+        recoveries = row["recoveries"]
+        to_next = _mean([r["to_next_step_s"] for r in recoveries])
+        ours = _mean([r["checkpointing_s"] for r in recoveries])
+        lines.append(f"{row['variant']:8s} {_fmt(row['goodput'], 8, 3)} {row['iterations_kept']:6d} "
+                     f"{row['iterations_recomputed']:10d} {row['restarts']:8d} {_fmt(to_next, 14, 1)} "
+                     f"{_fmt(ours, 15, 2)} {_fmt(row['checkpoint_overhead'], 8, 3)}")
+    return "\n".join(lines)
+
+
+def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule, job: ReplayJob, *,
+                rate: float, max_nodes: int) -> list[dict]:
+    """The model on the replayed slice, fed with each method's measured costs: its goodput
+    beside the measured one."""
+    fleet = Fleet(_replayed_instants(schedule), full_nodes=max_nodes, end_s=schedule.duration_s)
+    state_gb = job.state_mb * MiB / 1e9
+    out = []
+    for row in rows:
+        variant = row["variant"]
+        recoveries = row["recoveries"]
+        restore = max(_mean([r["restore_s"] for r in recoveries]) or 0.0, 1e-3)
+        stall = max(_checkpoint_stall(runs[variant]["log"], variant, job), 1e-5)
+        upload = min(restore, stall / 2)
+        costs = Costs(iter_s=schedule.initial_nodes / (rate * max_nodes), state_gb=state_gb,
+                      storage_gbps=state_gb / upload, ram_restore_gbps=state_gb / restore,
+                      snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
+                      restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in recoveries]) or 0.0,
+                      epoch_iterations=job.epoch_len, overhead=job.overhead)
+        method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant),
+                        every=job.every if variant in ("sync", "async") else None)
+        modelled = simulate(fleet, method, costs)
+        out.append({"variant": variant, "measured": row["goodput"], "model": round(modelled.goodput, 4),
+                    "points": None if row["goodput"] is None else round(100 * (modelled.goodput - row["goodput"]), 1),
+                    "model_recomputed": round(modelled.lost_iterations), "stall_s": round(stall, 4),
+                    "restart_s": round(costs.restart_s, 2)})
+    return out
+
+
+def model_table(rows: list[dict]) -> str:
+    lines = [f"{'method':8s} {'measured':>8s} {'model':>8s} {'points':>7s} {'stall s':>8s} {'restart s':>9s}"]
+    lines += [f"{r['variant']:8s} {_fmt(r['measured'], 8, 3)} {r['model']:8.3f} {_fmt(r['points'], 7, 1)} "
+              f"{r['stall_s']:8.4f} {r['restart_s']:9.2f}" for r in rows]
+    return "\n".join(lines)
+
+
+def _replayed_instants(schedule: LocalSchedule) -> list[tuple[float, int, int]]:
+    moments: list[tuple[float, int, int]] = [(0.0, 0, schedule.initial_nodes)]
+    for event in schedule.events:
+        removed = int(event.action == "remove")
+        if moments[-1][0] == event.at_s:
+            moments[-1] = (event.at_s, moments[-1][1] + removed, event.nodes_after)
+        else:
+            moments.append((event.at_s, removed, event.nodes_after))
+    return moments
+
+
+def _checkpoint_stall(log: list[dict], variant: str, job: ReplayJob) -> float:
+    """Mean seconds of a checkpoint call at a checkpoint (ours: the calls well above the
+    per-iteration decision's)."""
+    steps = [e for e in log if e["event"] == "step"]
+    if variant in ("sync", "async", "epoch"):
+        every = job.epoch_len if variant == "epoch" else job.every
+        return _mean([e["ckpt_s"] for e in steps if e["iteration"] % every == 0]) or 0.0
+    if variant == "none" or not steps:
+        return 0.0
+    ordinary = sorted(e["ckpt_s"] for e in steps)[len(steps) // 2]
+    return _mean([e["ckpt_s"] for e in steps if e["ckpt_s"] > 4 * ordinary + 0.001]) or 0.0
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}.{digits}f}"
+
+
+def plot(runs: dict[str, dict], path: str) -> None:
+    """Per method: iterations over time, node losses (red) and additions (green), checkpoints."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)), sharex=True, squeeze=False)
+    for axis, (variant, run) in zip(axes[:, 0], runs.items()):
+        t0 = next(e["t"] for e in run["driver"] if e["event"] == "first_step")
+        steps = [e for e in run["log"] if e["event"] == "step"]
+        axis.plot([e["t"] - t0 for e in steps], [e["iteration"] for e in steps], ".", markersize=1.5)
+        slow = [e for e in steps if e["ckpt_s"] > 0.01]
+        axis.plot([e["t"] - t0 for e in slow], [e["iteration"] for e in slow], "k|", markersize=6)
+        for event in run["driver"]:
+            colour = {"remove": "red", "add": "green", "stop": "black"}.get(event["event"])
+            if colour:
+                axis.axvline(event["t"] - t0, color=colour, linewidth=0.8, alpha=0.6)
+        axis.set_ylabel(f"{variant}\niteration")
+    axes[-1, 0].set_xlabel("seconds since the first step (red: node lost, green: node added, |: checkpoint)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
