@@ -2,7 +2,8 @@
 per ``fit()``, trained until the driver asks it to stop.
 
 The job: an MLP with Adam (``width`` x ``layers``), DDP over gloo, the global batch fixed
-(each of W ranks trains ``global_batch / W`` rows), elastic. Variants:
+(each of W ranks trains ``global_batch / W`` rows), elastic, each step padded by ``sleep_s``
+(the compute of a real step, which this machine's two cores cannot spend). Variants:
 - ``ours``: ``ray_checkfreq.ray.CheckFreq`` with the policy (``overhead``);
 - ``epoch``: Ray Train's ``report(checkpoint=)`` once an epoch (``epoch_len``), SYNC, as
   Ray's examples write it: rank 0 ``torch.save``s model, optimizer and iteration into a temp
@@ -85,6 +86,7 @@ def train(config: dict) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        time.sleep(config["sleep_s"])  # the rest of a real step's compute
         iteration += 1
         started = time.perf_counter()
         checkpoint(iteration)

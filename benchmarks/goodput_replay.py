@@ -28,6 +28,7 @@ from benchmarks import goodput_job
 from benchmarks.goodput_sim import Costs, Fleet, Method, simulate
 from ray_checkfreq.chaos.harness import TrainJob, fit_job
 from ray_checkfreq.chaos.kinds import TRAIN_RESOURCE, LocalCluster
+from ray_checkfreq.chaos.runner import quiet_expected_deaths
 from ray_checkfreq.chaos.trace import LocalSchedule
 
 MiB = 1 << 20
@@ -46,6 +47,7 @@ class ReplayJob:
     every: int = 50  # N of the every-N baselines
     epoch_len: int = 400
     overhead: float = 0.035
+    sleep_s: float = 0.15  # per iteration: a step of ~0.25 s, so that lost work weighs as on real jobs
 
     @property
     def state_mb(self) -> float:
@@ -60,6 +62,7 @@ def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir:
 
     os.environ.update({key: os.environ.get(key, value) for key, value in RAY_ENV.items()})
     logging.getLogger("ray").setLevel(logging.ERROR)
+    quiet_expected_deaths()  # the node losses this replay causes
     os.makedirs(work_dir, exist_ok=True)
     log_dir, stop_file = os.path.join(work_dir, "logs"), os.path.join(work_dir, "stop")
     os.makedirs(log_dir, exist_ok=True)
@@ -68,6 +71,7 @@ def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir:
     driver: list[dict] = []
     try:
         config = {"variant": variant, "log_dir": log_dir, "stop_file": stop_file, "width": job.width,
+                  "sleep_s": job.sleep_s,
                   "layers": job.layers, "global_batch": job.global_batch, "every": job.every,
                   "epoch_len": job.epoch_len, "overhead": job.overhead}
         train = TrainJob(train=goodput_job.train, config=config, name=f"goodput-{variant}",
@@ -165,7 +169,7 @@ def figures(run: dict, *, reference_rate: float) -> dict:
     stop = next(e["t"] for e in driver if e["event"] == "stop")
     attempts = _attempts(log, [w for w in run["workers"] if "t_start" in w])
     steps = [e for e in log if e["event"] == "step" and e["t"] <= stop]
-    kept = steps[-1]["iteration"] if steps else 0
+    kept = _kept(steps, attempts, [e["t"] for e in driver if e["event"] == "remove" and e["t"] <= stop])
     recomputed = sum(max(0, previous["reached"] - current["start"]["iteration"])
                      for previous, current in zip(attempts, attempts[1:]))
     preemptions = [e for e in driver if e["event"] == "remove"]
@@ -185,6 +189,18 @@ def figures(run: dict, *, reference_rate: float) -> dict:
         "recoveries": [r for r in recoveries if r is not None],
         "error": run["error"],
     }
+
+
+def _kept(steps: list[dict], attempts: list[dict], removals: list[float]) -> int:
+    """The progress the job holds at the stop: its newest iteration, unless a node was lost
+    after it (the job was down then): the iteration the next attempt resumed at."""
+    if not steps:
+        return 0
+    lost_after = [t for t in removals if t > steps[-1]["t"]]
+    if not lost_after:
+        return int(steps[-1]["iteration"])
+    later = [a for a in attempts if a["start"]["t"] > lost_after[0]]
+    return int(later[0]["start"]["iteration"]) if later else 0
 
 
 def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:

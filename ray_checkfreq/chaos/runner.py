@@ -189,7 +189,7 @@ class _OwnCluster:
             raise RuntimeError("ray-checkfreq chaos starts its own Ray cluster: run it in a process without Ray")
         os.environ.update({key: os.environ.get(key, value) for key, value in RAY_ENV.items()})
         logging.getLogger("ray").setLevel(logging.ERROR)
-        _quiet_expected_deaths()
+        quiet_expected_deaths()
         _say(self.config, f"starting a local Ray cluster: {self.config.nodes} training nodes (1 CPU each)")
         self.cluster = LocalCluster(nodes=self.config.nodes)
         ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False,
@@ -203,7 +203,7 @@ class _OwnCluster:
         self.cluster.shutdown()
 
 
-def _quiet_expected_deaths() -> None:
+def quiet_expected_deaths() -> None:
     """The driver prints every raylet error message; the deaths the injector caused are expected."""
     import ray._private.worker as ray_worker
 

@@ -1,0 +1,80 @@
+"""The goodput replay (benchmarks/goodput_replay.py): its accounting over synthetic logs,
+and one short real replay of ours through ``ray-checkfreq bench goodput`` (a child
+process with its own cluster)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.goodput_replay import ReplayJob, _checkpoint_stall, _replayed_instants, figures
+from ray_checkfreq.chaos.trace import LocalEvent, LocalSchedule
+
+
+def _run() -> dict:
+    """Two attempts: the first trains to 30 from 0 at 10 it/s, a node goes at t = 103.5,
+    the second restores 20 (entered 110, set up 112, restored 113) and trains to 50."""
+    log = [{"t": 100.0, "event": "start", "iteration": 0}]
+    log += [{"t": 100.0 + i / 10, "event": "step", "iteration": i, "ckpt_s": 0.05 if i % 10 == 0 else 0.0}
+            for i in range(1, 31)]
+    log += [{"t": 113.0, "event": "start", "iteration": 20}]
+    log += [{"t": 113.0 + (i - 20) / 10, "event": "step", "iteration": i, "ckpt_s": 0.05 if i % 10 == 0 else 0.0}
+            for i in range(21, 51)]
+    workers = [{"t": 101, "rank": 0, "node": "a", "t_entered": 99.0, "t_set_up_begin": 99.5, "t_restoring": 99.5,
+                "t_start": 100.0},
+               {"t": 113, "rank": 0, "node": "a", "t_entered": 110.0, "t_set_up_begin": 111.0, "t_restoring": 112.5,
+                "t_start": 113.0},
+               {"t": 113, "rank": 1, "node": "b", "t_entered": 110.5, "t_set_up_begin": 112.0,
+                "t_restoring": 112.2, "t_start": 113.0}]
+    driver = [{"t": 100.1, "event": "first_step"}, {"t": 103.5, "event": "remove", "node": "b"},
+              {"t": 116.05, "event": "stop"}]
+    return {"variant": "ours", "log": log, "workers": workers, "driver": driver, "error": None}
+
+
+def test_the_figures_of_a_run_come_from_its_log_and_the_driver_events() -> None:
+    row = figures(_run(), reference_rate=10.0)
+    assert row["iterations_kept"] == 50 and row["iterations_recomputed"] == 30 - 20 and row["restarts"] == 1
+    assert row["goodput"] == pytest.approx(50 / (10.0 * 15.95), abs=1e-4)
+    (recovery,) = row["recoveries"]
+    assert recovery["to_next_step_s"] == pytest.approx(113.1 - 103.5)
+    assert recovery["group_restart_and_process_start_s"] == pytest.approx(110.5 - 103.5)  # the slowest rank
+    assert recovery["job_set_up_s"] == pytest.approx(112.0 - 110.5)
+    assert recovery["checkpointing_s"] == pytest.approx(113.0 - 112.0)
+    assert recovery["restore_s"] == pytest.approx(113.0 - 112.5)
+    assert recovery["resumed_at"] == 20
+    assert _checkpoint_stall(_run()["log"], "ours", ReplayJob()) == pytest.approx(0.05)
+    down = _run()
+    down["driver"].insert(2, {"t": 116.02, "event": "remove", "node": "a"})  # lost after its last step
+    down["log"].append({"t": 130.0, "event": "start", "iteration": 40})
+    assert figures(down, reference_rate=10.0)["iterations_kept"] == 40  # what the next attempt resumed
+    assert _checkpoint_stall(_run()["log"], "sync", ReplayJob(every=10)) == pytest.approx(0.05)
+
+
+def test_the_replayed_schedule_becomes_the_models_instants() -> None:
+    schedule = LocalSchedule(initial_nodes=3, peak_live=3, duration_s=60.0, events=[
+        LocalEvent(at_s=5.0, action="remove", nodes_after=2, trace_time_s=150.0, trace_live=2),
+        LocalEvent(at_s=5.0, action="add", nodes_after=3, trace_time_s=150.0, trace_live=3),
+        LocalEvent(at_s=20.0, action="remove", nodes_after=2, trace_time_s=600.0, trace_live=2)])
+    assert _replayed_instants(schedule) == [(0.0, 0, 3), (5.0, 1, 3), (20.0, 1, 2)]
+
+
+@pytest.mark.chaos
+@pytest.mark.integration
+def test_a_short_replay_of_ours_measures_its_restart_and_runs_the_model_beside_it(tmp_path) -> None:
+    out = tmp_path / "goodput.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_checkfreq.cli", "bench", "goodput", "--variants", "ours", "--replay-start",
+         "10800", "--replay-duration", "900", "--compression", "30", "--max-nodes", "2", "--state-gb", "1",
+         "--json", str(out), "--work-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=600)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    replay = json.loads(out.read_text())["replay"]
+    (row,) = replay["variants"]
+    assert row["variant"] == "ours" and row["error"] is None, done.stdout[-3000:]
+    assert row["preemptions"] >= 1 and row["restarts"] >= 1 and row["iterations_kept"] > 0, done.stdout[-3000:]
+    recovery = row["recoveries"][0]
+    assert recovery["to_next_step_s"] >= recovery["checkpointing_s"] >= recovery["restore_s"] >= 0
+    assert replay["reference_rate"] > 0 and replay["model"][0]["variant"] == "ours"
