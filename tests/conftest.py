@@ -175,6 +175,7 @@ TIERS = {
         "test_store_direct.py", "test_store_local.py", "test_store_protected.py", "test_ray_agent.py",
         "test_ray_restart.py", "test_slots.py", "test_chaos_units.py", "test_shard_copies.py", "test_snapshot_plan.py",
         "test_canonical_json.py", "test_commit_protocol.py", "test_sharded_deltas.py", "test_legacy_formats.py",
+        "test_chaos_trace.py",
     ),
     "integration": (
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
@@ -193,7 +194,7 @@ TIERS = {
         "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",
         "test_bench_ray.py", "test_bench_restore.py", "test_data_bench.py", "test_nearlossless_bench.py",
         "test_cluster_configs.py", "test_examples.py", "test_demo.py", "test_ray_demo.py",
-        "test_resume_mutation.py", "test_bench_sharded.py",
+        "test_resume_mutation.py", "test_bench_sharded.py", "test_goodput_sim.py", "test_goodput_replay.py",
     ),
 }
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}

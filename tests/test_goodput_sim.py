@@ -89,8 +89,8 @@ def test_bench_goodput_projects_a_slice_of_the_shipped_trace(tmp_path, capsys) -
     from ray_checkfreq import cli
 
     out = tmp_path / "goodput.json"
-    assert cli.main(["bench", "goodput", "--state-gb", "1", "--trace-start", "3600", "--trace-duration", "7200",
-                     "--json", str(out)]) == 0
+    assert cli.main(["bench", "goodput", "--model-only", "--state-gb", "1", "--trace-start", "3600",
+                     "--trace-duration", "7200", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["sizes"]["1 GB"]
     methods = {m["method"]: m for m in figures["methods"]}
     assert set(methods) == {"ours (policy)", "Ray Train, per epoch", "sync every 100", "async every 100",

@@ -259,7 +259,11 @@ def test_a_killed_rank_a_lost_node_and_a_smaller_world_each_resume_where_they_sh
     from ray_checkfreq.storage.tree import leaves_of
 
     loaded = load(result.checkpoint)
-    assert loaded["checkfreq"]["iteration"] == 20
+    # 20 (the epoch end), or 22 where step 19 was committed before rank 3's node went (under
+    # load) and the last attempt, resuming at 19, checkpointed 3 iterations later: the end.
+    newest = max(committed)
+    assert loaded["checkfreq"]["iteration"] == newest and newest in (20, 22), committed
     gathered = {name: np.asarray(leaf) for _, name, leaf in leaves_of({"model": loaded["model"],
                                                                        "optimizer": loaded["optimizer"]})}
-    assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, "at-20.npz")))
+    expected = "at-20.npz" if newest == 20 else "final.npz"
+    assert_equal_state(gathered, sharded_state_jobs.load_arrays(os.path.join(work_dir, expected)))
