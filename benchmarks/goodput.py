@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--storage-gbps", type=float, default=Costs.storage_gbps, help="the job's storage bandwidth, GB/s")
     add("--iter-s", type=float, default=Costs.iter_s, help="an iteration on every node of the trace's peak")
     add("--restart-s", type=float, default=Costs.restart_s, help="a restart, restore apart")
-    add("--notice-s", type=float, default=0.0, help="warning before a node goes (AWS: 120)")
+    add("--notice-s", type=float, default=0.0,
+        help="warning before a node goes, trace seconds (AWS: 120); the replay's is this over --compression")
     add("--every", type=int, default=100, help="N of the every-N baselines (default 100)")
     add("--epoch-iterations", type=int, default=Costs.epoch_iterations)
     add("--sharded", action="store_true", help="the state sharded over the job's nodes (FSDP2)")
@@ -94,10 +95,12 @@ def _replay(args: argparse.Namespace) -> dict:
     runs, rows = {}, []
     for variant in args.variants.split(","):
         print(f"--- {variant} ---")
-        runs[variant] = replay.run_variant(variant, schedule, job, f"{root}/{variant}", max_nodes=args.max_nodes)
+        runs[variant] = replay.run_variant(variant, schedule, job, f"{root}/{variant}", max_nodes=args.max_nodes,
+                                           notice_s=args.notice_s / args.compression)
         rows.append(replay.figures(runs[variant], reference_rate=rate))
     print(replay.table(rows))
-    modelled = replay.model_check(rows, runs, schedule, job, rate=rate, max_nodes=args.max_nodes)
+    modelled = replay.model_check(rows, runs, schedule, job, rate=rate, max_nodes=args.max_nodes,
+                                  notice_s=args.notice_s / args.compression)
     print(replay.model_table(modelled))
     if args.png:
         replay.plot(runs, args.png)

@@ -5,7 +5,8 @@ Per variant: a fresh ``cluster_utils.Cluster`` with the slice's initial node cou
 nodes), the job (``goodput_job.py``) under ``ScalingConfig(num_workers=(1, max_nodes))`` and
 ``FailureConfig(max_failures=-1)``; once it trains, the slice's events fire at their times
 (``trace.local_schedule``): a ``remove`` takes away a node that runs a worker (a node loss:
-``remove_node(allow_graceful=False)``), an ``add`` adds a node. At the slice's end the job
+``remove_node(allow_graceful=False)``; with a notice, drained that long before), an ``add``
+adds a node. At the slice's end the job
 is asked to stop. A reference run without events measures the failure-free throughput on
 the initial nodes first. Everything is measured from the job's own log (rank 0's) and the
 driver's event times, in wall seconds.
@@ -56,8 +57,9 @@ class ReplayJob:
 
 
 def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir: str, *,
-                max_nodes: int, seed: int = 0, say: Any = print) -> dict:
-    """One variant over the schedule (``schedule.events`` empty: the reference run)."""
+                max_nodes: int, seed: int = 0, notice_s: float = 0.0, say: Any = print) -> dict:
+    """One variant over the schedule (``schedule.events`` empty: the reference run);
+    ``notice_s``: replayed seconds of warning before each node loss (0: none)."""
     import ray
 
     os.environ.update({key: os.environ.get(key, value) for key, value in RAY_ENV.items()})
@@ -84,7 +86,7 @@ def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir:
         fitting.start()
         t0 = _first_step(log_dir, fitting)
         driver.append({"t": t0, "event": "first_step", "nodes": schedule.initial_nodes})
-        _follow(schedule, cluster, t0, driver, random.Random(seed), say, log_dir)
+        _follow(schedule, cluster, t0, driver, random.Random(seed), say, log_dir, notice_s)
         with open(stop_file, "w"):
             pass
         driver.append({"t": time.time(), "event": "stop"})
@@ -111,14 +113,26 @@ def _first_step(log_dir: str, fitting: threading.Thread) -> float:
 
 
 def _follow(schedule: LocalSchedule, cluster: LocalCluster, t0: float, driver: list[dict], rng: random.Random,
-            say: Any, log_dir: str) -> None:
-    """Fire the schedule's events at their times (this thread: ``add_node`` needs the main one)."""
-    nodes, last_removal = schedule.initial_nodes, 0.0
-    for event in schedule.events:
-        _sleep_until(t0 + event.at_s)
-        if event.action == "remove":
+            say: Any, log_dir: str, notice_s: float = 0.0) -> None:
+    """Fire the schedule's events at their times (this thread: ``add_node`` needs the main
+    one). With ``notice_s``, each node to lose is drained that long before (a preemption
+    notice, as the autoscaler sends it: ``drain_node`` with a deadline), then removed."""
+    actions = sorted([(max(0.0, e.at_s - notice_s), 0, n, e) for n, e in enumerate(schedule.events)
+                      if e.action == "remove" and notice_s > 0]
+                     + [(e.at_s, 1, n, e) for n, e in enumerate(schedule.events)], key=lambda a: a[:3])
+    nodes, last_removal, noticed = schedule.initial_nodes, 0.0, {}
+    for at, phase, index, event in actions:
+        _sleep_until(t0 + at)
+        if event.action == "remove" and phase == 0:  # the notice
             node = _node_to_take(cluster, log_dir, last_removal, rng)
-            if node is None:
+            if node is not None:
+                cluster.drain(node, deadline_s=notice_s)
+                noticed[index] = node
+                driver.append({"t": time.time(), "event": "notice", "node": node, "deadline_s": notice_s})
+                say(f"[{time.time() - t0:7.1f} s] notice: node {node[:8]} goes in {notice_s:g} s")
+        elif event.action == "remove":
+            node = noticed.pop(index, None) or _node_to_take(cluster, log_dir, last_removal, rng)
+            if node is None or node not in {n.node_id for n in cluster.cluster.worker_nodes}:
                 driver.append({"t": time.time(), "event": "skipped", "why": "no worker node to take"})
                 continue
             cluster.remove(node)
@@ -270,7 +284,7 @@ def table(rows: list[dict]) -> str:
 
 
 def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule, job: ReplayJob, *,
-                rate: float, max_nodes: int) -> list[dict]:
+                rate: float, max_nodes: int, notice_s: float = 0.0) -> list[dict]:
     """The model on the replayed slice, fed with each method's measured costs: its goodput
     beside the measured one."""
     fleet = Fleet(_replayed_instants(schedule), full_nodes=max_nodes, end_s=schedule.duration_s)
@@ -286,7 +300,7 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
                       storage_gbps=state_gb / upload, ram_restore_gbps=state_gb / restore,
                       snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
                       restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in recoveries]) or 0.0,
-                      epoch_iterations=job.epoch_len, overhead=job.overhead)
+                      epoch_iterations=job.epoch_len, overhead=job.overhead, notice_s=notice_s)
         method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant),
                         every=job.every if variant in ("sync", "async") else None)
         modelled = simulate(fleet, method, costs)
