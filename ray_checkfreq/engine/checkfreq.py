@@ -44,7 +44,7 @@ from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
-from ray_checkfreq.engine.restore import newest_state
+from ray_checkfreq.engine.restore import exact_checkpoints, newest_state
 from ray_checkfreq.engine.rng import set_own_rng
 from ray_checkfreq.engine.seams import EngineSeams, LocalDecisions, set_local_rng_state
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
@@ -205,7 +205,7 @@ class CheckFreq:
         store.acquire_writer()
         store.salvage()
         self.load_cached_profile()
-        refs = [ref for ref in store.list() if not ref.trimmed]  # a replicated one loads too
+        refs = exact_checkpoints(store)  # a replicated one loads too
         if not refs:
             self._begin(0)
             return 0

@@ -145,7 +145,7 @@ def goodput_interval(cost_s: float, mtbf_s: float, iter_s: float) -> int:
     the overhead bound's k, never a reason to checkpoint more often than p allows."""
     if not iter_s > 0:
         raise ValueError(f"iter_s={iter_s!r}: must be > 0")
-    return max(1, math.floor(_round(young_daly_interval_s(cost_s, mtbf_s) / iter_s)))
+    return max(1, math.floor(young_daly_interval_s(cost_s, mtbf_s) / iter_s))
 
 
 def mtbf_estimate(running_s: float, restarts: int) -> float | None:
@@ -177,7 +177,7 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
     k = max(k_persist, k_min, k_cost)
     young_daly_k = None
     if mtbf_s is not None:
-        young_daly_k = max(1, math.floor(young_daly_interval_s(cost, mtbf_s) / profile.iter_s))
+        young_daly_k = goodput_interval(cost, mtbf_s, profile.iter_s)
         allowed = smallest_interval_within(profile, stall, overhead)
         k = max(allowed, min(k, young_daly_k))
     k_uncapped = None

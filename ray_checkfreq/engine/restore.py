@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError
-from ray_checkfreq.storage.store import CheckpointStore
+from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
 
@@ -83,6 +83,12 @@ def _check_tensor(key: str, value: Any, shape: torch.Size, dtype: torch.dtype) -
         raise RestoreMismatchError(key, f"shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model")
     if value.dtype != dtype:
         raise RestoreMismatchError(key, f"dtype {value.dtype} in the checkpoint, {dtype} in the model")
+
+
+def exact_checkpoints(store: CheckpointStore) -> list[CheckpointRef]:
+    """Every complete checkpoint of either placement a resume may take, oldest first
+    (never a near-lossless history copy)."""
+    return [ref for ref in store.list() if not ref.trimmed]
 
 
 def newest_state(store: CheckpointStore) -> dict:

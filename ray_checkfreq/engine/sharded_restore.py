@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_checkfreq.engine.restore import RestoreMismatchError, optimizer_by_name
+from ray_checkfreq.engine.restore import RestoreMismatchError, exact_checkpoints, optimizer_by_name
 from ray_checkfreq.engine.state import ChunkPlace, Fill, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage.chunks import Box, whole
@@ -43,7 +43,7 @@ class RankState:
 
 def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
     """The newest complete exact checkpoint of ``step``, of either placement."""
-    matches = [ref for ref in store.list() if ref.step == step and not ref.trimmed]
+    matches = [ref for ref in exact_checkpoints(store) if ref.step == step]
     if not matches:
         raise CheckpointNotFoundError(f"no complete checkpoint of step {step} in {store.uri}")
     return matches[-1]

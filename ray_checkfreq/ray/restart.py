@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from ray_checkfreq.engine.restore import newest_state
+from ray_checkfreq.engine.restore import exact_checkpoints, newest_state
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_notice_record
@@ -292,7 +292,7 @@ def newest_exact(store: CheckpointStore) -> CheckpointRef | None:
     """The newest complete exact checkpoint of either placement, from the listings and
     manifests only: its data is read (and checked, falling back past a corrupt one) only
     when storage is the source."""
-    exact = [ref for ref in store.list() if not ref.trimmed]
+    exact = exact_checkpoints(store)
     return exact[-1] if exact else None
 
 
