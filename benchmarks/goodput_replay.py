@@ -126,7 +126,7 @@ def _follow(schedule: LocalSchedule, cluster: LocalCluster, t0: float, driver: l
         if event.action == "remove" and phase == 0:  # the notice
             node = _node_to_take(cluster, log_dir, last_removal, rng)
             if node is not None:
-                cluster.drain(node, deadline_s=notice_s)
+                cluster.drain(node, deadline_epoch_s=time.time() + notice_s)
                 noticed[index] = node
                 driver.append({"t": time.time(), "event": "notice", "node": node, "deadline_s": notice_s})
                 say(f"[{time.time() - t0:7.1f} s] notice: node {node[:8]} goes in {notice_s:g} s")

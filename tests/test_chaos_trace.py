@@ -110,3 +110,71 @@ def test_a_slice_starts_from_the_live_count_at_its_start_and_is_compressed() -> 
         (15.0, "add", 2)]    # one granted: ceil(2 * 2 / 3) = 2 (the remove at 400 s is past the slice)
     with pytest.raises(ValueError, match="the trace's last event is at 400 s"):
         local_schedule(events, TraceSlice(start_s=400), max_nodes=2)
+
+
+# ---------------------------------------------------------------------- the chaos harness's trace schedule
+TINY = "0,add,a\n0,add,b\n0,add,c\n60000,remove,a\n60000,remove,b\n240000,add,d\n240000,add,e\n420000,remove,c\n"
+
+
+def _tiny(tmp_path: Path) -> str:
+    path = tmp_path / "tiny.csv"
+    path.write_text(TINY)
+    return str(path)
+
+
+def test_a_trace_plan_loses_a_node_at_each_remove_and_adds_one_at_each_add(tmp_path: Path) -> None:
+    from ray_checkfreq.chaos.runner import ChaosConfig, plan, trace_plan
+
+    config = ChaosConfig(schedule="trace", trace=_tiny(tmp_path), kinds=("node",), workers=(1, 2), nodes=3,
+                         replace=False, compression=30.0)
+    traced = trace_plan(config)
+    assert traced.initial_nodes == 3 and traced.duration_s == 14.0
+    assert [(p.kind, p.at_s) for p in traced.preemptions] == [("node", 2.0), ("node", 2.0), ("node", 14.0)]
+    assert [p.index for p in traced.preemptions] == [0, 1, 2]
+    assert traced.additions_s == [8.0, 8.0]
+    assert plan(config) == traced.preemptions
+
+
+def test_a_noticed_trace_loss_is_drained_its_notice_before_the_traces_time(tmp_path: Path) -> None:
+    from ray_checkfreq.chaos.runner import ChaosConfig, trace_plan
+
+    config = ChaosConfig(schedule="trace", trace=_tiny(tmp_path), kinds=("notice", "node"), notice_s=1.5,
+                         workers=(1, 2), nodes=3, replace=False, compression=30.0)
+    assert [(p.kind, p.at_s) for p in trace_plan(config).preemptions] == [
+        ("notice", 0.5), ("node", 2.0), ("notice", 12.5)]
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"schedule": "trace"}, "a trace file goes with the 'trace' schedule"),
+    ({"trace": "x.csv"}, "a trace file goes with the 'trace' schedule"),
+    ({"schedule": "trace", "trace": "x.csv", "replace": True}, "replace must be False"),
+    ({"schedule": "trace", "trace": "x.csv", "replace": False, "kinds": ("notice",)}, "exactly when notice_s > 0"),
+    ({"schedule": "trace", "trace": "x.csv", "replace": False, "compression": 0.0}, "compression 0.0"),
+])
+def test_a_bad_trace_setting_is_refused_by_name(kwargs: dict, reason: str) -> None:
+    from ray_checkfreq.chaos.runner import ChaosConfig
+
+    with pytest.raises(ValueError, match=reason):
+        ChaosConfig(**{"kinds": ("node",), **kwargs})
+
+
+def test_a_trace_loses_only_nodes() -> None:
+    from ray_checkfreq.chaos.schedule import from_trace
+
+    local = local_schedule([TraceEvent(0.0, "add", "a"), TraceEvent(5.0, "remove", "a")], TraceSlice(), max_nodes=1)
+    with pytest.raises(ValueError, match="kinds worker: a trace loses nodes"):
+        from_trace(local, ("worker",))
+
+
+def test_the_cli_makes_a_trace_run_elastic_without_node_replacement(tmp_path: Path) -> None:
+    import argparse
+
+    from ray_checkfreq.chaos import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["chaos", "--trace", _tiny(tmp_path), "--workers", "2", "--nodes", "3",
+                              "--notice-s", "1"])
+    config = cli.config_from_args(args)
+    assert config.schedule == "trace" and config.workers == (1, 2) and not config.replace
+    assert config.kinds == ("notice",) and config.notice_s == 1.0 and config.tolerance == 1e-9

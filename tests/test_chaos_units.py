@@ -93,6 +93,8 @@ def test_config_is_validated():
         ChaosConfig(workers=3, nodes=2)
     with pytest.raises(ValueError, match=r"workers=\(2, 1\)"):
         ChaosConfig(workers=(2, 1))
+    with pytest.raises(ValueError, match="does not divide by 3 workers"):
+        ChaosConfig(workers=(2, 4), nodes=4)
     with pytest.raises(ValueError, match="at="):
         ChaosConfig(at=(0, 5))
     with pytest.raises(ValueError, match="every=0"):
@@ -434,3 +436,50 @@ def test_a_bounded_run_gives_back_its_result_or_its_own_error():
     with pytest.raises(ValueError, match="timeout_s=0"):
         TrainJob(train=print, name="n", storage_path="/tmp", timeout_s=0)
     assert not called  # no timeout, no controller killed
+
+
+class _Nodes:
+    """A cluster's node set, as the node kinds see it."""
+
+    def __init__(self, *nodes: str) -> None:
+        self.held = set(nodes)
+
+    def node_ids(self) -> set[str]:
+        return set(self.held)
+
+    def remove(self, node_id: str) -> None:
+        self.held.remove(node_id)
+
+
+def test_the_nodes_of_one_trace_instant_go_together_and_a_later_loss_waits_for_the_restart(tmp_path):
+    import time
+
+    from ray_checkfreq.chaos.runner import Injector
+
+    drawn = [schedule.Preemption(index=n, kind="node", at_s=at, target=0) for n, at in enumerate((1.0, 1.0, 2.0))]
+    injector = Injector(None, ChaosConfig(progress=None), str(tmp_path), drawn)  # type: ignore[arg-type]
+    assert not injector._due(drawn[0])  # before the first step: the trace's clock has not started
+    now = time.time()
+    injector._absorb(_start(1, 0, now - 5.0) + _batches(1, range(1, 3), now - 4.0))
+    injector._resumed_t = now - 4.0
+    assert injector._due(drawn[0]) and injector._due(drawn[2])
+    # the first loss fired: the job restarts
+    injector._resumed_t, injector._fired_at_s, injector._last_kill_t = None, 1.0, now
+    assert injector._due(drawn[1])  # a second node of the same instant goes at once
+    assert not injector._due(drawn[2])  # a later one waits until the job trains again
+    injector._absorb(_start(2, 2, now + 1.0) + _batches(2, range(3, 5), now + 1.5))
+    assert injector._due(drawn[2])
+
+
+def test_a_second_loss_before_the_restart_takes_a_node_still_up():
+    from ray_checkfreq.chaos.kinds import JobView, _node
+
+    view = JobView(ranks={r: start for r, start in enumerate(_start(1, 0, 1.0))})
+    nodes = _Nodes("n0", "n1", "spare")
+    first = _node(view=view, target=0, cluster=nodes)
+    second = _node(view=view, target=0, cluster=nodes)
+    assert (first["lost_node"], second["lost_node"]) == ("n0", "n1")
+    third = _node(view=view, target=0, cluster=nodes)  # no rank's node is left: any training node
+    assert third["lost_node"] == "spare" and nodes.held == set()
+    with pytest.raises(RuntimeError, match="no training node is left"):
+        _node(view=view, target=0, cluster=nodes)

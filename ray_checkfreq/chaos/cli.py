@@ -43,7 +43,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--preemptions", type=int, default=4, help="how many (default 4)")
     add("--kinds", default=None, help=f"comma-separated kinds (default {DEFAULT_KINDS}; with --compare "
                                       f"{COMPARE_KINDS})")
-    add("--schedule", default="iterations", choices=sorted(SCHEDULES), help="when (default iterations)")
+    add("--schedule", default=None, choices=sorted(SCHEDULES),
+        help="when (default iterations; with --trace: trace)")
     add("--at", default=None, help="iterations of the 'iterations' schedule, comma-separated")
     add("--seed", type=int, default=0, help="seeds the schedule and the ranks hit (default 0)")
     add("--mtbp-s", type=float, default=15.0, help="mean running seconds between preemptions (poisson; default 15)")
@@ -62,6 +63,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--compare", action="store_true",
         help="run the schedule twice: epoch-boundary checkpoints (notices ignored), then ray_checkfreq; "
              "print wasted work and time to finish")
+    add("--trace", default=None, metavar="CSV",
+        help="a spot trace (lines time_ms,add|remove,node): its losses are preemptions, its adds new nodes; "
+             "the job is elastic (--min-workers, default 1) on up to --nodes nodes")
+    add("--trace-start", type=float, default=0.0, help="trace seconds skipped (default 0)")
+    add("--trace-duration", type=float, default=None, help="trace seconds replayed (default: to its end)")
+    add("--compression", type=float, default=60.0, help="trace seconds per replayed second (default 60)")
+    add("--notice-s", type=float, default=0.0,
+        help="with --trace: replayed seconds of drain notice before each loss (kind notice; default 0: none)")
     add("--json", default=None, metavar="OUT", help="write the report here")
     add("--png", default=None, metavar="OUT", help="draw the timeline here (matplotlib)")
     add("--work-dir", default=None, help="keep the logs, stores and events here (default: a temp dir)")
@@ -79,19 +88,29 @@ def config_from_args(args: argparse.Namespace) -> Any:
         low = 0 if flag in ("preemptions", "every") else 1
         if value is not None and value < low:
             raise ValueError(f"--{flag.replace('_', '-')}={value}: must be >= {low}")
-    for flag in ("mtbp_s", "replace_delay_s", "notice_deadline_s", "sleep_s"):
+    for flag in ("mtbp_s", "replace_delay_s", "notice_deadline_s", "sleep_s", "notice_s"):
         value = getattr(args, flag)
         if not value >= 0 or (flag == "mtbp_s" and value == 0):
             raise ValueError(f"--{flag.replace('_', '-')}={value:g}: must be {'> 0' if flag == 'mtbp_s' else '>= 0'}")
-    workers = args.workers if args.min_workers is None else (args.min_workers, args.workers)
-    kinds = args.kinds or (COMPARE_KINDS if args.compare else DEFAULT_KINDS)
-    return ChaosConfig(preemptions=args.preemptions, kinds=parse_kinds(kinds), schedule=args.schedule,
+    traced = args.trace is not None
+    workers = args.workers if args.min_workers is None and not traced else (args.min_workers or 1, args.workers)
+    kinds = args.kinds or _default_kinds(args)
+    return ChaosConfig(preemptions=args.preemptions, kinds=parse_kinds(kinds),
+                       schedule=args.schedule or ("trace" if traced else "iterations"),
                        at=_iterations(args.at), seed=args.seed, mtbp_s=args.mtbp_s, min_gap=args.min_gap,
                        iterations=args.iterations, every=args.every or None, workers=workers, nodes=args.nodes,
-                       replace=not args.no_replace, replace_delay_s=args.replace_delay_s,
+                       replace=not (args.no_replace or traced), replace_delay_s=args.replace_delay_s,
+                       trace=args.trace, trace_start_s=args.trace_start, trace_duration_s=args.trace_duration,
+                       compression=args.compression, notice_s=args.notice_s,
                        notice_deadline_s=args.notice_deadline_s, sleep_s=args.sleep_s, work_dir=args.work_dir,
                        cache_dir=args.cache_dir, progress=_progress,
-                       tolerance=0.0 if args.min_workers is None else 1e-9)
+                       tolerance=0.0 if args.min_workers is None and not traced else 1e-9)
+
+
+def _default_kinds(args: argparse.Namespace) -> str:
+    if args.trace is not None:
+        return "notice" if args.notice_s > 0 else "node"
+    return COMPARE_KINDS if args.compare else DEFAULT_KINDS
 
 
 def _iterations(text: str | None) -> tuple[int, ...] | None:
@@ -145,7 +164,8 @@ def verdict(result: dict) -> list[str]:
 
 def _title(config: Any) -> str:
     world = config.workers if isinstance(config.workers, int) else f"{config.workers[0]}-{config.workers[1]}"
-    return (f"chaos: {config.preemptions} preemptions, {world} workers on {config.nodes} nodes, "
+    what = f"trace {config.trace}" if config.trace else f"{config.preemptions} preemptions"
+    return (f"chaos: {what}, {world} workers on {config.nodes} nodes, "
             f"{config.checkpoints} checkpoints (k = {config.interval})")
 
 

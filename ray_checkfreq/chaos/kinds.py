@@ -69,20 +69,33 @@ class LocalCluster:
                                      resources={TRAIN_RESOURCE: 1})
         return node.node_id
 
+    def node_ids(self) -> set[str]:
+        """The training nodes held now."""
+        return {node.node_id for node in self.cluster.worker_nodes}
+
+    def resize(self, nodes: int) -> None:
+        """Add training nodes, or remove idle ones, until ``nodes`` are held."""
+        while len(self.cluster.worker_nodes) < nodes:
+            self.add_node()
+        while len(self.cluster.worker_nodes) > nodes:
+            self.cluster.remove_node(list(self.cluster.worker_nodes)[-1], allow_graceful=True)
+        self.cluster.wait_for_nodes()
+
     def remove(self, node_id: str) -> None:
         node = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
         if node is None:
             raise RuntimeError(f"node {node_id[:12]} is not a worker node of this cluster")
         self.cluster.remove_node(node, allow_graceful=False)
 
-    def drain(self, node_id: str, deadline_s: float) -> None:
-        """A preemption notice as the autoscaler sends it: the node keeps running until removed."""
+    def drain(self, node_id: str, deadline_epoch_s: float) -> None:
+        """A preemption notice as the autoscaler sends it: the node keeps running until removed.
+        ``deadline_epoch_s``: when it goes, seconds since the epoch (``time.time()`` + notice)."""
         import ray._raylet
         from ray.core.generated import autoscaler_pb2
 
         reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
         accepted, why = ray._raylet.GcsClient(address=self.address).drain_node(  # type: ignore[attr-defined]
-            node_id, reason, "ray_checkfreq chaos: preemption notice", int(deadline_s * 1000))
+            node_id, reason, "ray_checkfreq chaos: preemption notice", int(deadline_epoch_s * 1000))
         if not accepted:
             raise RuntimeError(f"drain of node {node_id[:12]} refused: {why}")
 
@@ -140,8 +153,20 @@ def _agent(*, view: JobView, target: int, **_: Any) -> dict:
     return {"t_kill": time.time(), "node": node, "pid": pid, "what": f"SIGKILL node agent on {node[:8]} (pid {pid})"}
 
 
+def _node_to_lose(view: JobView, target: int, cluster: LocalCluster) -> dict:
+    """The start event of the rank ``target`` picks among those whose node is still up (a
+    second loss before the job restarted), else any training node (one it had not reached)."""
+    held = cluster.node_ids()
+    ranks = [start for _, start in sorted(view.ranks.items()) if start["node"] in held]
+    if ranks:
+        return ranks[target % len(ranks)]
+    if not held:
+        raise RuntimeError("no training node is left to lose")
+    return {"node": sorted(held)[target % len(held)], "rank": None}
+
+
 def _node(*, view: JobView, target: int, cluster: LocalCluster, **_: Any) -> dict:
-    start = view.rank_of(target)
+    start = _node_to_lose(view, target, cluster)
     cluster.remove(start["node"])
     return {"t_kill": time.time(), "node": start["node"], "lost_node": start["node"],
             "what": f"node {start['node'][:8]} (rank {start['rank']}) removed"}
@@ -149,7 +174,7 @@ def _node(*, view: JobView, target: int, cluster: LocalCluster, **_: Any) -> dic
 
 def _notice(*, view: JobView, target: int, cluster: LocalCluster, settings: KindSettings, emit: Emit,
             **_: Any) -> dict:
-    start = view.rank_of(target)
+    start = _node_to_lose(view, target, cluster)
     deadline = time.time() + settings.notice_deadline_s
     cluster.drain(start["node"], deadline)
     emit("notice", node=start["node"], deadline=deadline,

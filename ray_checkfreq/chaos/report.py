@@ -149,6 +149,7 @@ def build_report(events: list[dict], *, identical: bool | None = None, max_abs_d
         "restarts": len(found) - 1,
         "commits": len({e["step"] for e in events if e["event"] == "commit"}),
         "nodes_replaced": sum(e["event"] == "replace" for e in events),
+        "nodes_added": sum(e["event"] == "add" for e in events),
         "time_to_finish_s": (max(e["t"] for e in ends) - run_start) if ends else None,
         "identical_to_uninterrupted": identical,
         "max_abs_diff": max_abs_diff,
@@ -172,7 +173,9 @@ def describe(report: dict) -> list[str]:
     if same is False and report.get("tolerance") is not None and report["max_abs_diff"] is not None:
         weights += f"; within {report['tolerance']:g}: {report['max_abs_diff'] <= report['tolerance']}"
     mean_restart = report["restart_to_first_step_s_mean"]
-    return [
+    unreached = report.get("unreached_preemptions") or []
+    beyond = [f"trace losses after the run ended (not injected): {len(unreached)}"] if unreached else []
+    return beyond + [
         f"preemptions survived: {report['preemptions_survived']} of {report['preemptions']} "
         f"({report['restarts']} restarts, {report['commits']} checkpoints committed)",
         f"lost iterations per preemption: mean {report['lost_iterations_mean']:.1f}, max "
@@ -180,6 +183,8 @@ def describe(report: dict) -> list[str]:
         f"within: {'yes' if report['lost_within_bound'] else 'NO'})",
         "restart to first step: " + ("no restart" if mean_restart is None else
                                      f"mean {mean_restart:.1f} s, max {report['restart_to_first_step_s_max']:.1f} s"),
+        f"world sizes: {' -> '.join(str(a['world_size']) for a in report['detail']['attempts'])} "
+        f"({report['nodes_replaced']} nodes replaced, {report['nodes_added']} added)",
         f"samples lost: {report['samples_lost']}, repeated: {report['samples_repeated']}",
         f"final weights identical to an uninterrupted run: {weights}",
     ]
@@ -221,6 +226,8 @@ def _plot_marks(ax: Any, events: list[dict], report: dict, t0: float) -> None:
     commits = [e for e in events if e["event"] == "commit"]
     ax.scatter([e["t"] - t0 for e in commits], [e["step"] for e in commits], marker="o", s=14,
                color="tab:green", label="checkpoint committed", zorder=3)
+    for n, e in enumerate(e for e in events if e["event"] == "add"):
+        ax.axvline(e["t"] - t0, color="tab:cyan", ls=":", lw=1, label="node added" if n == 0 else None)
     for n, e in enumerate(e for e in events if e["event"] == "notice"):
         ax.axvline(e["t"] - t0, color="tab:orange", ls="--", lw=1, label="drain notice" if n == 0 else None)
     for n, p in enumerate(report["detail"]["preemptions"]):

@@ -35,6 +35,7 @@ from ray_checkfreq.chaos import report as reports
 from ray_checkfreq.chaos import schedule as schedules
 from ray_checkfreq.chaos.harness import TrainJob, fit_job
 from ray_checkfreq.chaos.kinds import TRAIN_RESOURCE, JobView, KindSettings, LocalCluster, inject
+from ray_checkfreq.chaos.trace import TraceSlice, local_schedule, read_trace
 
 DEFAULT_KINDS = ("commit", "notice", "persist", "node", "worker", "snapshot", "agent")
 CHECKPOINTING = ("checkfreq", "epoch")
@@ -60,6 +61,11 @@ class ChaosConfig:
     checkpoints on S3, credentials from the AWS environment (commits are then not
     followed, and the ``persist`` kind has no hold point). ``use_gpu``: workers on the
     GPU. ``log_stats``: rank 0 logs the engine's figures every k iterations.
+    ``trace`` (the "trace" schedule): a spot trace file, replayed from ``trace_start_s``
+    for ``trace_duration_s`` trace seconds (None: to its end), ``compression`` times
+    faster, on at most ``nodes`` training nodes (``trace.local_schedule``); each loss is a
+    ``node`` or, ``notice_s`` seconds before it, a ``notice`` (the kinds cycle). Its nodes
+    come back when the trace adds them, not after ``replace_delay_s``.
     """
 
     preemptions: int = 4
@@ -89,6 +95,11 @@ class ChaosConfig:
     s3_bucket: str | None = None
     use_gpu: bool = False
     log_stats: bool = False
+    trace: str | None = None
+    trace_start_s: float = 0.0
+    trace_duration_s: float | None = None
+    compression: float = 60.0
+    notice_s: float = 0.0
 
     def __post_init__(self) -> None:
         schedules.parse_kinds(",".join(self.kinds))
@@ -108,6 +119,10 @@ class ChaosConfig:
             raise ValueError(f"workers={self.workers!r}: need 1 <= min <= max")
         if high > self.nodes:
             raise ValueError(f"workers={self.workers!r}: more workers than the {self.nodes} training nodes")
+        odd = [size for size in range(low, high + 1) if chaos_job.GLOBAL_BATCH % size]
+        if odd:
+            raise ValueError(f"workers={self.workers!r}: the chaos job's global batch of {chaos_job.GLOBAL_BATCH} "
+                             f"does not divide by {odd[0]} workers, a world size this range allows")
         for name in ("replace_delay_s", "sleep_s", "notice_deadline_s", "hold_wait_s", "mtbp_s", "tolerance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
@@ -115,6 +130,18 @@ class ChaosConfig:
             raise ValueError(f"s3_endpoint={self.s3_endpoint!r}: needs s3_bucket")
         if self.at is not None and any(i < 1 or i > self.iterations for i in self.at):
             raise ValueError(f"at={self.at!r}: every iteration must be in [1, {self.iterations}]")
+        if (self.schedule == "trace") != (self.trace is not None):
+            raise ValueError(f"schedule={self.schedule!r}, trace={self.trace!r}: a trace file goes with the "
+                             "'trace' schedule, and only with it")
+        if self.trace is not None:
+            TraceSlice(start_s=self.trace_start_s, duration_s=self.trace_duration_s, compression=self.compression)
+            if self.replace:
+                raise ValueError("a trace adds its nodes back itself: replace must be False")
+            if ("notice" in self.kinds) != (self.notice_s > 0):
+                raise ValueError(f"kinds={self.kinds!r}, notice_s={self.notice_s!r}: a trace's losses are "
+                                 "noticed (kind 'notice') exactly when notice_s > 0")
+        if not self.notice_s >= 0:
+            raise ValueError(f"notice_s={self.notice_s!r}: must be >= 0")
 
     @property
     def world_range(self) -> tuple[int, int]:
@@ -135,8 +162,21 @@ class ChaosConfig:
         return self.every or POLICY_SPACING_K
 
 
+def trace_plan(config: ChaosConfig) -> schedules.TracePlan:
+    """The "trace" schedule's slice on this run's nodes."""
+    if config.trace is None:
+        raise ValueError("this run has no trace")
+    window = TraceSlice(start_s=config.trace_start_s, duration_s=config.trace_duration_s,
+                        compression=config.compression)
+    local = local_schedule(read_trace(config.trace), window, max_nodes=config.nodes,
+                           min_nodes=config.world_range[0])
+    return schedules.from_trace(local, config.kinds, notice_s=config.notice_s, seed=config.seed)
+
+
 def plan(config: ChaosConfig) -> list[schedules.Preemption]:
     """The preemptions of this run (the same for both arms of ``compare``)."""
+    if config.schedule == "trace":
+        return trace_plan(config).preemptions
     # The last preemption leaves room for a notice's deadline and a checkpoint after the restart.
     first, last = min(config.spacing + 2, config.iterations), max(config.iterations - 2 * config.spacing - 4, 1)
     if config.schedule == "poisson":
@@ -190,8 +230,9 @@ class _OwnCluster:
         os.environ.update({key: os.environ.get(key, value) for key, value in RAY_ENV.items()})
         logging.getLogger("ray").setLevel(logging.ERROR)
         quiet_expected_deaths()
-        _say(self.config, f"starting a local Ray cluster: {self.config.nodes} training nodes (1 CPU each)")
-        self.cluster = LocalCluster(nodes=self.config.nodes)
+        nodes = self.config.nodes if self.config.trace is None else trace_plan(self.config).initial_nodes
+        _say(self.config, f"starting a local Ray cluster: {nodes} training nodes (1 CPU each)")
+        self.cluster = LocalCluster(nodes=nodes)
         ray.init(address=self.cluster.address, log_to_driver=False, configure_logging=False,
                  logging_level=logging.ERROR)
         return self.cluster
@@ -288,7 +329,12 @@ def _reference(cluster: LocalCluster, config: ChaosConfig) -> dict:
 def _chaos_arm(cluster: LocalCluster, config: ChaosConfig, reference: dict | None) -> dict:
     work_dir = _work_dir(config, f"chaos-{config.checkpoints}")
     preemptions = plan(config)
-    injector = Injector(cluster, config, work_dir, preemptions)
+    additions: list[float] = []
+    if config.trace is not None:
+        traced = trace_plan(config)
+        cluster.resize(traced.initial_nodes)  # an arm of ``compare`` starts where the trace does
+        additions = traced.additions_s
+    injector = Injector(cluster, config, work_dir, preemptions, additions_s=additions)
     workers = config.workers if isinstance(config.workers, int) else tuple(config.workers)
     outcome: dict[str, Exception | None] = {}
 
@@ -307,7 +353,8 @@ def _chaos_arm(cluster: LocalCluster, config: ChaosConfig, reference: dict | Non
     identical, diff = _compare_weights(os.path.join(work_dir, "logs", "final.pt"), reference)
     result = reports.build_report(events, identical=identical, max_abs_diff=diff, tolerance=config.tolerance)
     result.update(error=None if error is None else repr(error), work_dir=work_dir, injector_errors=injector.errors,
-                  config=_plain_config(config), schedule=[asdict(p) for p in preemptions])
+                  config=_plain_config(config), schedule=[asdict(p) for p in preemptions],
+                  unreached_preemptions=injector.unreached)
     result["_events"] = events
     return result
 
@@ -374,14 +421,17 @@ class Injector:
     """Follows the job and fires the schedule's preemptions from a driver thread."""
 
     def __init__(self, cluster: LocalCluster, config: ChaosConfig, work_dir: str,
-                 preemptions: list[schedules.Preemption]) -> None:
+                 preemptions: list[schedules.Preemption], *, additions_s: list[float] | None = None) -> None:
         self.cluster = cluster
         self.config = config
         self.pending = list(preemptions)
+        self.additions_s = sorted(additions_s or [])  # seconds after the first step (a trace's adds)
+        self.unreached: list[int] = []  # the trace's preemptions due after the run ended
         self.total = len(preemptions)
         self.tail = EventTail(os.path.join(work_dir, "logs"), os.path.join(work_dir, "store"))
         self.settings = KindSettings(control_dir=os.path.join(work_dir, "control"),
-                                     notice_deadline_s=config.notice_deadline_s, hold_wait_s=config.hold_wait_s)
+                                     notice_deadline_s=config.notice_s if config.trace else config.notice_deadline_s,
+                                     hold_wait_s=config.hold_wait_s)
         self.events: list[dict] = [{"t": time.time(), "event": "run_start"}]
         self.errors: list[str] = []
         self.view = JobView()
@@ -390,6 +440,8 @@ class Injector:
         self._last_kill_t = 0.0
         self._restart_after: float | None = None  # an injection that restarts the job: its start
         self._resumed_t: float | None = None
+        self._first_step_t: float | None = None
+        self._fired_at_s: float | None = None  # the trace time of the last preemption fired
         self._t0 = time.time()
 
     def follow(self, running: Callable[[], bool]) -> list[dict]:
@@ -400,12 +452,16 @@ class Injector:
         while running():
             self._absorb(self.tail.read())
             self._replace_due_nodes()
+            self._add_due_nodes()
             if self.pending and self._due(self.pending[0]):
                 self._fire(self.pending.pop(0))
             time.sleep(0.05)
         self._absorb(self.tail.read())
         for preemption in self.pending:
-            self.errors.append(f"preemption {preemption.index + 1}: the run ended before it was due")
+            if preemption.at_s is not None:  # a trace runs on after the job: not a failure
+                self.unreached.append(preemption.index)
+            else:
+                self.errors.append(f"preemption {preemption.index + 1}: the run ended before it was due")
         return sorted(self.events, key=lambda e: e["t"])
 
     # --------------------------------------------------------------- following
@@ -417,6 +473,8 @@ class Injector:
                 self._on_start(event)
             elif kind == "batch" and event["rank"] == 0 and event["attempt"] == self.view.attempt:
                 self.view.iteration = event["iteration"]
+                if self._first_step_t is None:
+                    self._first_step_t = event["t"]
                 if self._resumed_t is None and self._resumed_by(event):
                     self._resumed_t = event["t"]
             elif kind == "commit":
@@ -447,12 +505,19 @@ class Injector:
                                     f"resumed at iteration {event['iteration']} from {origin}{where}")
 
     def _due(self, preemption: schedules.Preemption) -> bool:
+        if preemption.at_s is not None and preemption.at_s == self._fired_at_s:
+            return True  # another node of the trace's instant that just fired: lost together
         if self._resumed_t is None or not self.view.ranks:
             return False  # the job has not (re)started training since the last preemption
         if preemption.at_iteration is not None:
             return self.view.iteration >= preemption.at_iteration
+        if preemption.at_s is not None:  # due while the job restarts: fired once it trains again (a
+            return self._since_first_step() >= preemption.at_s  # loss then fails Ray 2.60's controller)
         assert preemption.after_s is not None
         return time.time() - self._resumed_t >= preemption.after_s
+
+    def _since_first_step(self) -> float:
+        return -1.0 if self._first_step_t is None else time.time() - self._first_step_t
 
     # --------------------------------------------------------------- acting
     def _fire(self, preemption: schedules.Preemption) -> None:
@@ -466,6 +531,7 @@ class Injector:
             self._print(time.time(), f"{label} NOT injected: {err}")
             return
         self._last_kill_t = hit.get("t_kill", t)
+        self._fired_at_s = preemption.at_s
         self._restart_after = None if preemption.kind in NO_RESTART_KINDS else t
         self._resumed_t = None
         self.events.append({"t": t, "event": "inject", "index": preemption.index, "kind": preemption.kind,
@@ -491,6 +557,18 @@ class Injector:
                 continue
             self.events.append({"t": time.time(), "event": "replace", "node": node})
             self._print(time.time(), f"replacement node {node[:8]} added (as an autoscaler would)")
+
+    def _add_due_nodes(self) -> None:
+        """The trace's ``add`` events: nodes the cloud grants, which an elastic job may grow onto."""
+        while self.additions_s and 0 <= self.additions_s[0] <= self._since_first_step():
+            self.additions_s.pop(0)
+            try:
+                node = self.cluster.add_node()
+            except Exception as err:
+                self.errors.append(f"trace node addition: {err!r}")
+                continue
+            self.events.append({"t": time.time(), "event": "add", "node": node})
+            self._print(time.time(), f"node {node[:8]} added (the trace's add)")
 
     def _print(self, t: float, line: str) -> None:
         if self.config.progress is not None:

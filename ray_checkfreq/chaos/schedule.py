@@ -1,10 +1,11 @@
 """When to preempt, and how: pure, seeded schedules (no Ray, no clock).
 
 A schedule is a list of ``Preemption`` values in the order they are injected. Each one
-fires either once the job reaches an iteration (``at_iteration``) or once the job has run
-for some seconds since it last resumed (``after_s``: the Poisson schedule measures time
-between preemptions in running time, as a spot fleet's "one preemption every 5 hours"
-counts hours of work, scaled down). The kinds cycle in the order given, so
+fires once the job reaches an iteration (``at_iteration``), once the job has run for some
+seconds since it last resumed (``after_s``: the Poisson schedule measures time between
+preemptions in running time, as a spot fleet's "one preemption every 5 hours" counts hours
+of work, scaled down), or at a time since the job's first step (``at_s``: a spot trace's
+clock, ``trace.trace_plan``). The kinds cycle in the order given, so
 ``kinds=("commit", "node")`` with 4 preemptions gives commit, node, commit, node.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from ray_checkfreq.chaos.trace import LocalSchedule
 
 KINDS = {
     "worker": "SIGKILL of a training worker",
@@ -27,6 +30,7 @@ SCHEDULES = {
     "iterations": "at the iterations given (--at), else spread evenly over the run",
     "random": "seeded uniform iterations, at least --min-gap apart",
     "poisson": "seeded exponential gaps of running time with mean --mtbp-s seconds",
+    "trace": "a spot trace's node losses and additions (--trace), sliced, time-compressed and scaled to --nodes",
 }
 
 
@@ -36,13 +40,15 @@ class Preemption:
     kind: str
     at_iteration: int | None = None
     after_s: float | None = None  # running seconds since the job last resumed
+    at_s: float | None = None  # seconds since the job's first step (a trace's clock)
     target: int = 0  # picks the rank (modulo the world size) whose process or node is hit
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind {self.kind!r}: expected one of {', '.join(KINDS)}")
-        if (self.at_iteration is None) == (self.after_s is None):
-            raise ValueError("a preemption fires at an iteration or after some seconds, exactly one of them")
+        if sum(when is not None for when in (self.at_iteration, self.after_s, self.at_s)) != 1:
+            raise ValueError("a preemption fires at an iteration, after running seconds or at a time: "
+                             "exactly one of them")
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -107,6 +113,40 @@ def poisson(count: int, kinds: tuple[str, ...], *, mtbp_s: float, seed: int) -> 
     targets = _targets(count, seed)
     return [Preemption(index=n, kind=_kind(kinds, n), after_s=rng.expovariate(1.0 / mtbp_s), target=targets[n])
             for n in range(count)]
+
+
+TRACE_KINDS = ("node", "notice")  # what a spot trace's ``remove`` can be
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """A trace slice as the injector runs it: its node losses as preemptions and the times
+    (seconds since the job's first step) at which nodes are added."""
+
+    initial_nodes: int
+    preemptions: list[Preemption]
+    additions_s: list[float]
+    duration_s: float
+
+
+def from_trace(local: LocalSchedule, kinds: tuple[str, ...], *, notice_s: float = 0.0, seed: int = 0) -> TracePlan:
+    """Every ``remove`` of ``local`` as a node loss (kinds cycling, ``node`` or ``notice``),
+    every ``add`` as a node added. A ``notice`` fires ``notice_s`` before the trace's time, so
+    that its node goes when the trace says (its deadline is ``notice_s``)."""
+    unsupported = [kind for kind in kinds if kind not in TRACE_KINDS]
+    if unsupported:
+        raise ValueError(f"kinds {', '.join(unsupported)}: a trace loses nodes; use {' or '.join(TRACE_KINDS)}")
+    if notice_s < 0:
+        raise ValueError(f"notice_s={notice_s!r}: must be >= 0")
+    removals = [event for event in local.events if event.action == "remove"]
+    targets = _targets(len(removals), seed)
+    fired = sorted((max(0.0, event.at_s - notice_s) if _kind(kinds, n) == "notice" else event.at_s, n)
+                   for n, event in enumerate(removals))
+    preemptions = [Preemption(index=i, kind=_kind(kinds, n), at_s=at, target=targets[n])
+                   for i, (at, n) in enumerate(fired)]
+    return TracePlan(initial_nodes=local.initial_nodes, preemptions=preemptions,
+                     additions_s=[event.at_s for event in local.events if event.action == "add"],
+                     duration_s=local.duration_s)
 
 
 def _check_window(count: int, first: int, last: int, min_gap: int) -> None:
