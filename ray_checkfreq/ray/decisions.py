@@ -1,10 +1,15 @@
 """One decision per iteration for every rank: rank 0 plans, all ranks apply it one step later.
 
-At step i every rank starts an asynchronous broadcast (from rank 0, on a dedicated gloo
-group) of the action rank 0 planned for iteration i+1, and waits for the broadcast started
-at step i-1, which carries the action for iteration i. No rank waits for rank 0's planning,
-and every rank applies the same (k, checkpoint now, stop) at the same iteration, so no rank
-enters a collective that another skips.
+At step i every rank hands the action rank 0 planned for iteration i+1 to its decision
+thread, which broadcasts it (from rank 0, on a dedicated gloo group), and picks up the
+broadcast handed over at step i-1, which carries the action for iteration i. No rank waits
+for rank 0's planning, and every rank applies the same (k, checkpoint now, stop) at the same
+iteration, so no rank enters a collective that another skips.
+
+The broadcasts run on that thread, not posted asynchronously from the training thread:
+posting a gloo operation costs the caller ~0.1 ms of CPU (measured on 2 ranks), every
+iteration; a hand-over through a queue costs microseconds. The thread issues the group's
+collectives in the order they were handed over, and nothing else uses the group.
 
 Invariant: every rank calls ``exchange`` exactly once per iteration and ``close`` once.
 
@@ -14,6 +19,8 @@ The wire format is here too: an ``Action`` (the engine's value type) travels as
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +30,7 @@ import torch.distributed as dist
 from ray_checkfreq.engine.seams import CODECS, Action
 
 ACTION_INTS = 5  # present, iteration, flags, codec, k
+CLOSE_TIMEOUT_S = 30.0  # the thread's last broadcast is complete by then; a stuck one is a daemon
 NO_ACTION_INTS: tuple[int, ...] = (0,) * ACTION_INTS
 _CHECKPOINT, _EPOCH_BOUNDARY, _STOP = 1, 2, 4
 _ALL_FLAGS = _CHECKPOINT | _EPOCH_BOUNDARY | _STOP
@@ -57,27 +65,50 @@ class BroadcastDecisions:
     def __init__(self, group: Any, rank: int) -> None:
         self.group = group
         self.is_planner = rank == 0
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._outbox: queue.SimpleQueue[list[int] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[int] | BaseException] = queue.SimpleQueue()
+        self._pending = 0  # broadcasts handed over and not yet picked up (0 or 1)
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._broadcast_in_order, name="rcf-decisions", daemon=True)
+        self._thread.start()
 
     def exchange(self, planned: Action | None) -> Action | None:
         received = self._finish_pending()
-        values = to_ints(planned) if (self.is_planner and planned is not None) else list(NO_ACTION_INTS)
-        tensor = torch.tensor(values, dtype=torch.int64)
-        handle = dist.broadcast(tensor, src=0, group=self.group, async_op=True)
-        self._pending = (handle, tensor)
+        self._outbox.put(to_ints(planned) if (self.is_planner and planned is not None) else list(NO_ACTION_INTS))
+        self._pending += 1
         return received
 
     def _finish_pending(self) -> Action | None:
-        if self._pending is None:
+        if self._failed is not None:
+            raise RuntimeError("the decision broadcast failed") from self._failed
+        if not self._pending:
             return None
-        handle, tensor = self._pending
-        self._pending = None
-        handle.wait()
-        return from_ints(tensor.tolist())
+        received = self._inbox.get()
+        self._pending -= 1
+        if isinstance(received, BaseException):
+            self._failed = received
+            raise RuntimeError("the decision broadcast failed") from received
+        return from_ints(received)
+
+    def _broadcast_in_order(self) -> None:
+        while (values := self._outbox.get()) is not None:
+            try:
+                tensor = torch.tensor(values, dtype=torch.int64)
+                dist.broadcast(tensor, src=0, group=self.group)
+                self._inbox.put(tensor.tolist())
+            except BaseException as err:  # a peer died: the training thread raises it at its next exchange
+                self._inbox.put(err)
+                return
 
     def close(self) -> None:
-        """Complete the last broadcast (every rank started it; none may leave it pending)."""
-        self._finish_pending()
+        """Complete the last broadcast (every rank started it; none may leave it pending),
+        then end the thread."""
+        try:
+            if self._failed is None:
+                self._finish_pending()
+        finally:
+            self._outbox.put(None)
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
 
 __all__ = ["ACTION_INTS", "NO_ACTION_INTS", "BroadcastDecisions", "from_ints", "to_ints"]
