@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from ray_checkfreq.engine.restore import RestoreMismatchError, exact_checkpoints, optimizer_by_name
-from ray_checkfreq.engine.state import ChunkPlace, Fill, StateAdapter, TensorChunk
+from ray_checkfreq.engine.state import ChunkPlace, Fill, SavedLeaf, StateAdapter, TensorChunk
 from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ray_checkfreq.storage.arrays import torch_dtype
 from ray_checkfreq.storage.chunks import Box, whole
 from ray_checkfreq.storage.manifest import GlobalManifest
 from ray_checkfreq.storage.rank_state import parse_rank_skeleton
@@ -60,13 +61,15 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     manifest = reader.manifest
     source = rank if rank < manifest.world_size else 0
     tree, keys, per_rank = parse_rank_skeleton(reader.skeletons([source])[source], ref.uri)
+    indexed = _unflatten(tree, [_LeafIndex(i) for i in range(len(keys))], ref.uri)
+    adapter.prepare_optimizer_state(saved_optimizer_leaves(indexed.get("optimizer"), keys, manifest))
     targets = adapter.restore_targets()
     boxes = {chunk.name: chunk.box for chunk in targets}
     _check_targets(targets, manifest, set(keys) - per_rank)
     wanted: dict[str, list[Box]] = {name: [Box(box.offsets, box.sizes)] for name, box in boxes.items()}
     for key in per_rank:
         wanted[key] = [whole(_tensor_of(manifest, key, ref.uri).global_shape)]
-    loaded = reader.load_boxes(wanted)
+    loaded = reader.load_boxes(wanted, into=_in_place(targets, manifest))
     state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
     _check_optimizer_class(state, optimizer_class)
     adapter.apply(_filler(loaded, boxes, {name: name for name in boxes}),
@@ -89,10 +92,11 @@ def _load_replicated(reader: BoxReader, where: str, adapter: StateAdapter, optim
     skeleton, keys, _ = reader.whole_state()
     indexed = _unflatten(skeleton, [_LeafIndex(i) for i in range(len(keys))], where)
     _check_optimizer_class(indexed, optimizer_class)
+    live_groups = adapter.live_state()["optimizer"].get("param_groups", [])  # the names torch's state dicts use
+    named = optimizer_by_name(indexed["optimizer"], [list(group["params"]) for group in live_groups])
+    adapter.prepare_optimizer_state(saved_optimizer_leaves(named, keys, reader.manifest))
     targets = adapter.restore_targets()
-    live_groups = adapter.live_state()["optimizer"].get("param_groups", [])
-    saved = {"model": indexed["model"], "optimizer": optimizer_by_name(
-        indexed["optimizer"], [list(group["params"]) for group in live_groups])}
+    saved = {"model": indexed["model"], "optimizer": named}
     source = {chunk.name: keys[_leaf_index(saved, chunk.path, chunk.name)] for chunk in targets}
     rest = {key for key in keys if key.split("/", 1)[0] not in ("model", "optimizer")}
     wanted = {source[chunk.name]: [Box(chunk.box.offsets, chunk.box.sizes)] for chunk in targets}
@@ -101,6 +105,28 @@ def _load_replicated(reader: BoxReader, where: str, adapter: StateAdapter, optim
     adapter.apply(_filler(loaded, {chunk.name: chunk.box for chunk in targets}, source), saved)
     state = _unflatten(skeleton, [loaded[key][0] if key in rest else None for key in keys], where)
     return RankState(state=state, rng=state["rng"])
+
+
+def saved_optimizer_leaves(optimizer: Any, keys: list[str],
+                           manifest: GlobalManifest) -> dict[str, dict[str, SavedLeaf]]:
+    """Each parameter name's saved state tensors (shape and dtype), from an optimizer state
+    skeleton whose tensor leaves are ``_LeafIndex`` values into ``keys``; {} where the
+    skeleton does not have that form (the restore then creates the state itself)."""
+    out: dict[str, dict[str, SavedLeaf]] = {}
+    state = optimizer.get("state") if isinstance(optimizer, Mapping) else None
+    if not isinstance(state, Mapping):
+        return {}
+    for name, entries in state.items():
+        if not isinstance(entries, Mapping):
+            return {}
+        leaves = {}
+        for key, leaf in entries.items():
+            record = manifest.tensor(keys[leaf]) if isinstance(leaf, _LeafIndex) else None
+            if record is None:
+                return {}
+            leaves[key] = SavedLeaf(tuple(record.global_shape), torch_dtype(record.dtype))
+        out[str(name)] = leaves
+    return out
 
 
 def _leaf_index(saved: Mapping[str, Any], path: KeyPath, name: str) -> int:
@@ -139,9 +165,25 @@ def _filler(loaded: Mapping[str, list[Any]], boxes: Mapping[str, Any], source: M
         tensor = torch.from_numpy(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else data
         if tensor.dtype != chunk.dtype:
             raise RestoreMismatchError(chunk.name, f"dtype {tensor.dtype} in the checkpoint, {chunk.dtype} now")
-        chunk.local.copy_(tensor)
+        if tensor.data_ptr() != chunk.local.data_ptr() or tensor.numel() == 0:  # else read in place already
+            chunk.local.copy_(tensor)
 
     return fill
+
+
+def _in_place(targets: list[TensorChunk], manifest: GlobalManifest) -> dict[str, np.ndarray]:
+    """The targets a read can write straight into: host memory, contiguous, of the saved
+    dtype; each as its bytes (the rest are read into new memory and copied)."""
+    into = {}
+    for chunk in targets:
+        saved = manifest.tensor(chunk.name)
+        local = chunk.local
+        if (saved is None or local.device.type != "cpu" or not local.is_contiguous() or local.numel() == 0
+                or torch_dtype(saved.dtype) != local.dtype or saved.kind != "torch"):
+            continue
+        into[chunk.name] = local.detach().reshape(-1).view(torch.uint8).numpy().reshape(
+            tuple(local.shape) + (local.element_size(),))
+    return into
 
 
 def _tensor_of(manifest: GlobalManifest, key: str, where: str) -> Any:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ray_checkfreq.engine.restore import RestoreMismatchError
+from ray_checkfreq.engine.restore import RestoreMismatchError, parameter_names
 from ray_checkfreq.errors import UnsupportedStateError
 from ray_checkfreq.storage.tree import METADATA, ContainerRebuilder, KeyPath, StateVisitor, leaves_of, walk_state
 
@@ -151,6 +151,34 @@ class StateAdapter(ABC):
         return {key for key, value in model_state.items() if isinstance(value, torch.Tensor)
                 and (_local(value).data_ptr() in pointers if _local(value).numel() else key in names)}
 
+    def prepare_optimizer_state(self, saved: Mapping[str, Mapping[str, SavedLeaf]]) -> bool:
+        """Create the optimizer's lazily made state as a checkpoint holds it (``saved``: each
+        parameter's name -> its state keys), so that ``restore_targets`` need not take the
+        zero-gradient optimizer step, which costs as much as a training step's update.
+        Nothing is created, and False returned, when the optimizer has state already or the
+        checkpoint lacks some parameter's state (the restore then takes that step). The new
+        tensors are uninitialized until the restore fills them."""
+        if self.optimizer.state:
+            return False
+        groups = parameter_names(self.model, self.optimizer)
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        names = [name for group in groups for name in group]
+        if any(not saved.get(name) for name in names):
+            return False
+        numbered = {number: {key: _empty_like_saved(param, leaf) for key, leaf in saved[name].items()}
+                    for number, (param, name) in enumerate(zip(params, names))}
+        first = 0
+        param_groups = []
+        for group in self.optimizer.param_groups:
+            count = len(group["params"])
+            param_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": list(range(first, first + count))})
+            first += count
+        # torch's own load puts each value where the optimizer keeps it (``step`` on the CPU
+        # unless capturable or fused, the rest on the parameter's device and dtype).
+        self.optimizer.load_state_dict({"state": numbered, "param_groups": param_groups})
+        return True
+
     def restore_targets(self) -> list[TensorChunk]:
         """The chunks ``apply`` will hand to ``fill``, in order (lazily made optimizer state
         is created first), so that a reader can fetch all of them in one pass."""
@@ -265,6 +293,21 @@ def _check_optimizer_leaves(optimizer_state: Mapping[str, Any]) -> None:
         if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and leaf.dim() > 0:
             raise UnsupportedStateError(name, "a plain torch.Tensor with dimensions in the state of a sharded "
                                               "optimizer (expected a DTensor, or a 0-d tensor such as step)")
+
+
+class SavedLeaf(NamedTuple):
+    """A saved tensor's global shape and dtype: enough to make a target to read it into."""
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _empty_like_saved(param: torch.Tensor, leaf: SavedLeaf) -> torch.Tensor:
+    """A state tensor shaped as ``leaf``: laid out as the parameter (a DTensor with its
+    placements) when it has the parameter's shape, else a plain one (``step``)."""
+    if tuple(leaf.global_shape) == tuple(param.shape):
+        return torch.empty_like(param, dtype=leaf.dtype, requires_grad=False)
+    return torch.empty(leaf.global_shape, dtype=leaf.dtype)
 
 
 def _initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

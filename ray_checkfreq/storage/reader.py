@@ -55,24 +55,35 @@ class BoxReader:
         self._decoded: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self.bytes_read = 0
 
-    def load_boxes(self, wanted: Mapping[str, Sequence[Box]]) -> dict[str, list[Any]]:
-        """``{key: [box, ...]}`` -> ``{key: [tensor or ndarray of that box, ...]}`` (stored dtype)."""
+    def load_boxes(self, wanted: Mapping[str, Sequence[Box]], *,
+                   into: Mapping[str, np.ndarray] | None = None) -> dict[str, list[Any]]:
+        """``{key: [box, ...]}`` -> ``{key: [tensor or ndarray of that box, ...]}`` (stored dtype).
+
+        ``into``: where to put a key's single box instead of new memory (a writable C-order
+        uint8 array of the box's sizes + (item size,): say a restore target's own bytes);
+        what is returned for it is a view of that memory."""
         out: dict[str, list[Any]] = {}
         for key, boxes in wanted.items():
             tensor = self.manifest.tensor(key)
             if tensor is None:
                 raise KeyError(f"{self.backend.uri(self.dir_name)}: no tensor {key!r} in this checkpoint")
-            out[key] = [self._load_box(tensor, box) for box in boxes]
+            destination = (into or {}).get(key)
+            out[key] = [self._load_box(tensor, box, destination if len(boxes) == 1 else None) for box in boxes]
         self._decoded.clear()
         self._bases.clear()
         return out
 
-    def _load_box(self, tensor: TensorIndex, target: Box) -> Any:
+    def _load_box(self, tensor: TensorIndex, target: Box, destination: np.ndarray | None = None) -> Any:
         if not target.fits(tensor.global_shape):
             raise ValueError(f"tensor {tensor.key!r}: box at {target.offsets} of sizes {target.sizes} lies outside "
                              f"its global shape {tensor.global_shape}")
         spec = LeafSpec(kind=tensor.kind, dtype=tensor.dtype, shape=target.sizes)
-        out = np.empty(target.sizes + (spec.itemsize,), np.uint8)
+        shape = target.sizes + (spec.itemsize,)
+        if destination is not None and (destination.shape != shape or destination.dtype != np.uint8
+                                        or not destination.flags.c_contiguous or not destination.flags.writeable):
+            raise ValueError(f"tensor {tensor.key!r}: a destination of {destination.shape} {destination.dtype} "
+                             f"for a box of {shape} bytes")
+        out = np.empty(shape, np.uint8) if destination is None else destination
         steps = plan_copies([c.box for c in tensor.chunks], target)
         try:
             copied = fill(out, steps, lambda step: self._source(tensor, step, spec.itemsize))
