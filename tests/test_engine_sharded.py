@@ -204,6 +204,25 @@ def resume_job(rank: int, world: int, root: Path) -> None:
         (root / "resume-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
 
 
+class _counting_optimizer_steps:  # noqa: N801 (a context manager used as a function)
+    """Counts the zero-gradient optimizer steps a restore takes to make the optimizer's state."""
+
+    def __enter__(self) -> list[int]:
+        import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+        self.module, self.original, self.calls = dcp_state_dict, dcp_state_dict._init_optim_state, []
+        def counted(optim: Any) -> None:
+            if not optim.state:  # torch's helper steps only an optimizer without state
+                self.calls.append(1)
+            self.original(optim)
+
+        dcp_state_dict._init_optim_state = counted
+        return self.calls
+
+    def __exit__(self, *exc: Any) -> None:
+        self.module._init_optim_state = self.original
+
+
 def reshard_job(rank: int, world: int, root: Path) -> None:
     """A restore at another world size: 3 ranks from what the crash left, 1 rank
     (``restore()``, with salvage) from the restart's store, whose step SKIPPED lacks a
@@ -223,6 +242,7 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
         refused.append(str(err))
     store = part_store(str(root / "restore-copy"))
     store_by_uri = None
+    steps_taken: list[int] = []
     if world == 1:
         by_uri = CheckFreq(model=model, optimizer=opt, storage=str(root / "by-uri"), every=EVERY)
         store_by_uri = f"{type(by_uri.store).__name__} {by_uri.store.config.codec}"
@@ -233,12 +253,14 @@ def reshard_job(rank: int, world: int, root: Path) -> None:
         step = _shared_writer(store, rank, choose_latest=True)
         cf, decisions = _engine(model, opt, sched, store, rank)
         assert step is not None
-        start = cf.load_sharded(step)
+        with _counting_optimizer_steps() as steps_taken:
+            start = cf.load_sharded(step)
         decisions.close()
     _gather_rng(root / f"rng-w{world}.json", rank, world)
     jobs.save_full(root / f"state-w{world}.npz", rank, model, opt, sched)
     jobs.gather_json(root / f"reshard-w{world}.json", rank, world, {"start": start, "refused": refused,
-                                                                       "store_by_uri": store_by_uri})
+                                                                       "store_by_uri": store_by_uri,
+                                                                       "optimizer_steps": len(steps_taken)})
     cf.close()
 
 
@@ -389,6 +411,8 @@ def test_restore_at_three_ranks_equals_the_saved_state(runs: Path) -> None:
     step = _resumed_from(runs)
     report = json.loads((runs / "reshard-w3.json").read_text())
     assert [r["start"] for r in report] == [step] * 3
+    # the optimizer's state was made as the checkpoint holds it, not by an optimizer step
+    assert [r["optimizer_steps"] for r in report] == [0] * 3
     _assert_same(jobs.load_arrays(runs / "state-w3.npz"), jobs.load_arrays(runs / f"state-{step}.npz"))
 
 
@@ -464,6 +488,55 @@ def test_save_part_takes_the_codec_of_the_action(tmp_path: Path) -> None:
         assert store.reader(step).manifest.tensor("model/w").chunks[0].codec == (codec or "raw")
         loaded = store.reader(step).load_boxes({"model/w": [Box((0,), (4096,))]})["model/w"][0]
         assert torch.equal(torch.as_tensor(loaded), data)
+
+
+@pytest.mark.parametrize("codec", ["rcfz", None])
+def test_a_box_is_read_into_the_memory_given_and_a_wrong_destination_is_refused(tmp_path: Path,
+                                                                                  codec: str | None) -> None:
+    store = part_store(str(tmp_path), writer_generation=1)
+    data = torch.arange(4096, dtype=torch.float64).reshape(64, 64) % 7
+    store.save_part(1, world_size=1, skeletons={0: {}}, codec=codec,
+                    chunks=[ChunkSource(key="model/w", data=data, global_shape=(64, 64), offsets=(0, 0), rank=0)])
+    assert store.try_commit(1).committed
+    target = torch.full((16, 64), -1.0, dtype=torch.float64)
+    into = {"model/w": target.reshape(-1).view(torch.uint8).numpy().reshape(16, 64, 8)}
+    loaded = store.reader(1).load_boxes({"model/w": [Box((8, 0), (16, 64))]}, into=into)["model/w"][0]
+    assert torch.equal(target, data[8:24]) and loaded.data_ptr() == target.data_ptr()
+    with pytest.raises(ValueError, match=r"tensor 'model/w': a destination of \(16, 64, 4\)"):
+        store.reader(1).load_boxes({"model/w": [Box((8, 0), (16, 64))]},
+                                   into={"model/w": np.zeros((16, 64, 4), np.uint8)})
+
+
+def test_the_optimizer_state_is_made_as_saved_without_an_optimizer_step(monkeypatch) -> None:
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    from ray_checkfreq.engine.state import PlainStateAdapter, SavedLeaf
+
+    model, opt, _ = _plain_training(seed=0, lr=1e-2)
+    names = parameter_names(model, opt)[0]
+    saved = {name: {"step": SavedLeaf((), torch.float32), "exp_avg": SavedLeaf(tuple(p.shape), torch.float64),
+                    "exp_avg_sq": SavedLeaf(tuple(p.shape), torch.float64)}
+             for name, p in model.named_parameters()}
+    adapter = PlainStateAdapter(model, opt)
+    assert not adapter.prepare_optimizer_state({k: v for k, v in saved.items() if k != names[-1]})
+    assert not opt.state  # one parameter's state missing: nothing made, the restore takes the step
+    original = dcp_state_dict._init_optim_state
+
+    def no_step(optim: Any) -> None:
+        assert optim.state, "an optimizer step was taken"
+        original(optim)
+
+    monkeypatch.setattr(dcp_state_dict, "_init_optim_state", no_step)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert adapter.prepare_optimizer_state(saved)
+    targets = adapter.restore_targets()
+    assert len(targets) == 3 * len(names) + len(dict(model.state_dict()))
+    for param, was in zip(model.parameters(), before):
+        state = opt.state[param]
+        assert state["exp_avg"].shape == param.shape and state["exp_avg_sq"].dtype == torch.float64
+        assert state["step"].shape == () and state["step"].device.type == "cpu"
+        assert torch.equal(param, was)
+    assert not adapter.prepare_optimizer_state(saved)  # state exists now: left as it is
 
 
 def test_sharded_store_shares_the_metadata_documents(tmp_path: Path) -> None:
