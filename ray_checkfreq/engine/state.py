@@ -227,6 +227,12 @@ class DTensorStateAdapter(StateAdapter):
 
     sharded = True
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        # Imported with the engine, not by the first checkpoint: the package takes ~70 ms to
+        # import, which the run's first snapshot would otherwise stall for.
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
     def live_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
