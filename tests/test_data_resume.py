@@ -146,3 +146,22 @@ def test_ray_resume_reads_no_earlier_window(small_ray_dataset):
     assert rest == row_ids(small_ray_dataset)[order.take(90, 103)].tolist()
     needed = {w for w, _ in order.locate(90, 103)}
     assert it.windows_read == len(needed) < order.num_windows
+
+
+def test_an_iterator_taken_before_the_restore_raises_by_name_instead_of_yielding_nothing():
+    from ray_checkfreq.data import StaleIteratorError
+
+    saved_from = resumable(100, global_batch_size=10, seed=3, world_size=1, rank=0)
+    batches = iter(saved_from)
+    first = [next(batches) for _ in range(4)]
+    state = saved_from.state_dict()
+    loader = resumable(100, global_batch_size=10, seed=3, world_size=1, rank=0)
+    early = iter(loader)  # taken before the restore, as a framework may
+    loader.load_state_dict(state)
+    with pytest.raises(StaleIteratorError, match="taken before the loader's state was restored"):
+        next(early)
+    fresh = iter(loader)
+    assert np.array_equal(next(fresh), next(batches)) and len(first) == 4  # a new one continues at batch 5
+    replaced = iter(loader)  # a newer iter() takes over: the older one ends, as before
+    assert list(fresh) == []
+    assert np.array_equal(next(replaced), next(batches))

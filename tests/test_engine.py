@@ -238,3 +238,31 @@ def test_bad_configuration_is_refused_by_name(tmp_path):
         CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), every=0)
     with pytest.raises(TypeError, match="data: int has no state_dict"):
         CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), data=5)
+
+
+def test_plain_values_in_extra_state_are_kept_and_restored_without_a_wrapper(tmp_path):
+    model, opt = _tiny()
+    history: list = []
+    cf = CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), every=2,
+                   extra_state={"tokens": 0, "history": history, "config": {"name": "run", "lr": 0.1}, "note": None})
+    for it in range(1, 5):  # the extra state as it is at cf.step() goes into that step's checkpoint
+        cf.extra_state["tokens"] = 1000 * it  # an int is replaced: the engine reads it at each checkpoint
+        history.append(it)  # a list is changed in place
+        _train(model, opt, cf, it, it + 1)
+    cf.flush()
+    cf.close()
+    model, opt = _tiny()
+    history_now = ["stale"]
+    config_now: dict = {"name": "other"}
+    cf = CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), every=2,
+                   extra_state={"tokens": 0, "history": history_now, "config": config_now, "note": "x"})
+    assert cf.restore() == 4
+    assert cf.extra_state["tokens"] == 4000 and cf.extra_state["note"] is None
+    assert history_now == [1, 2, 3, 4] and cf.extra_state["history"] is history_now  # refilled in place
+    assert config_now == {"name": "run", "lr": 0.1} and cf.extra_state["config"] is config_now
+    cf.close()
+    with pytest.raises(TypeError, match=r"extra_state\['when'\]: tuple has no state_dict\(\)/load_state_dict\(\) "
+                                        r"and is not a plain value"):
+        CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), extra_state={"when": (1, 2)})
+    with pytest.raises(TypeError, match=r"extra_state\['keys'\]: dict has no state_dict"):
+        CheckFreq(model=model, optimizer=opt, storage=str(tmp_path), extra_state={"keys": {1: "a"}})

@@ -204,7 +204,7 @@ def resume_job(rank: int, world: int, root: Path) -> None:
         (root / "resume-steps.json").write_text(json.dumps([ref.step for ref in store.list()]))
 
 
-class _counting_optimizer_steps:  # noqa: N801 (a context manager used as a function)
+class _counting_optimizer_steps:
     """Counts the zero-gradient optimizer steps a restore takes to make the optimizer's state."""
 
     def __enter__(self) -> list[int]:

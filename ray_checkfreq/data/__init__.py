@@ -14,7 +14,7 @@ from ray_checkfreq.data.core import STATE_VERSION, DataState, DataStateError, Ra
 from ray_checkfreq.data.factory import resumable
 from ray_checkfreq.data.guards import refuse_distributed_sampler
 from ray_checkfreq.data.index import IndexIterator
-from ray_checkfreq.data.iterator import ResumableIterator
+from ray_checkfreq.data.iterator import ResumableIterator, StaleIteratorError
 from ray_checkfreq.data.order import FullOrder, WindowedOrder, epoch_rng
 from ray_checkfreq.data.seeds import SampleKeys, sample_rng, sample_seeds
 
@@ -54,6 +54,7 @@ __all__ = [
     "FullOrder",
     "IndexIterator",
     "RankSlice",
+    "StaleIteratorError",
     "ResumableIterator",
     "SampleKeys",
     "Sharding",

@@ -20,8 +20,13 @@ from typing import Any
 
 from ray_checkfreq.data.core import STATE_VERSION, DataState, RankSlice, RankSlices, Sharding
 from ray_checkfreq.data.order import Order, check_order_version
+from ray_checkfreq.errors import CheckFreqError
 
 logger = logging.getLogger("ray_checkfreq.data")
+
+
+class StaleIteratorError(CheckFreqError, RuntimeError):
+    """An iterator taken from a resumable loader before its state was restored was used."""
 
 
 class ResumableIterator:
@@ -43,6 +48,7 @@ class ResumableIterator:
         self._epoch = 0
         self._consumed = 0
         self._generation = 0
+        self._restored_at = 0  # the generation a restore started: iterators from before it are stale
         self._fetch_hooks: dict[int, Callable[[], None]] = {}
         self._set_epoch_logged = False
 
@@ -107,7 +113,8 @@ class ResumableIterator:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore; the next ``iter()`` continues that epoch at its next sample."""
         parsed = DataState.from_dict(state, expect=self._state(0, 0))
-        self._generation += 1  # a generator started before the restore stops
+        self._generation += 1  # a generator taken before the restore raises when next used
+        self._restored_at = self._generation
         self._epoch, self._consumed = parsed.epoch, parsed.consumed
         self.order_version = parsed.version
         self._roll_if_done()
@@ -132,6 +139,7 @@ class ResumableIterator:
             self._consumed = 0
 
     def _run(self, generation: int) -> Iterator[Any]:
+        self._check_not_from_before_restore(generation)
         epoch = self._epoch
         slices = RankSlices(self.sharding, self.num_samples, self._consumed)
         if slices:
@@ -144,7 +152,8 @@ class ResumableIterator:
                     if batch is _NO_BATCH:
                         break
                     if generation != self._generation:
-                        return
+                        self._check_not_from_before_restore(generation)
+                        return  # a newer iter() took over
                     self._consumed = piece.consumed_after
                     self._roll_if_done()
                     yield batch
@@ -155,6 +164,14 @@ class ResumableIterator:
         if generation == self._generation and self._epoch == epoch:
             # this rank had no piece of the last partial global batch
             self._epoch, self._consumed = epoch + 1, 0
+
+
+    def _check_not_from_before_restore(self, generation: int) -> None:
+        if generation < self._restored_at:
+            raise StaleIteratorError(
+                f"{type(self).__name__}: this iterator was taken before the loader's state was restored "
+                "(cf.restore() / load_state_dict()), so it would not continue from the restored position: "
+                "take a new one after the restore (`for batch in loader` or `iter(loader)` again)")
 
 
 _NO_BATCH = object()

@@ -39,7 +39,7 @@ import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveRate
 from ray_checkfreq.engine.config import CheckFreqConfig, config_from
-from ray_checkfreq.engine.executor import Executor, ShardedMode, TrainingState
+from ray_checkfreq.engine.executor import Executor, ShardedMode, TrainingState, is_plain
 from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
@@ -412,12 +412,13 @@ class CheckFreq:
 
 
 def _check_stateful(data: Any, extra_state: Mapping[str, Any]) -> None:
-    named = [("data", data)] + [(f"extra_state[{name!r}]", obj) for name, obj in extra_state.items()]
-    for name, obj in named:
-        if obj is None:
+    for name, obj in [("data", data)] + [(f"extra_state[{name!r}]", obj) for name, obj in extra_state.items()]:
+        if obj is None or (name != "data" and is_plain(obj)):
             continue
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+            plain = "" if name == "data" else (" and is not a plain value (None, bool, int, float, str, or "
+                                               "lists and str-keyed dicts of them)")
+            raise TypeError(f"{name}: {type(obj).__name__} has no state_dict()/load_state_dict(){plain}")
 
 
 def _gpu_measurements(model: torch.nn.Module, optimizer: torch.optim.Optimizer, size_bytes: int) -> dict:

@@ -11,6 +11,7 @@ then. Every second spent on the training's critical path is counted as stall
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import OrderedDict
@@ -86,7 +87,37 @@ class TrainingState:
     extra_state: dict[str, Any]
 
     def extra_dicts(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.extra_state.items()}
+        """Each extra entry's state: its ``state_dict()``, or a plain value itself (a copy)."""
+        return {name: copy.deepcopy(obj) if is_plain(obj) else obj.state_dict()
+                for name, obj in self.extra_state.items()}
+
+    def load_extra(self, saved: Mapping[str, Any]) -> None:
+        """The saved extra state back: ``load_state_dict`` for an object with state, the saved
+        value for a plain one (a dict or list refilled in place, so references to it see it;
+        any plain value readable as ``extra_state[name]`` of the engine)."""
+        for name, obj in list(self.extra_state.items()):
+            value = saved[name]
+            if not is_plain(obj):
+                obj.load_state_dict(value)
+            elif isinstance(obj, dict) and isinstance(value, Mapping):
+                obj.clear()
+                obj.update(copy.deepcopy(dict(value)))
+            elif isinstance(obj, list) and isinstance(value, list):
+                obj[:] = copy.deepcopy(value)
+            else:
+                self.extra_state[name] = copy.deepcopy(value)
+
+
+def is_plain(value: Any) -> bool:
+    """A value ``extra_state`` keeps as it is: None, a bool, int, float or str, or a list or
+    a str-keyed dict of plain values."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(is_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and is_plain(item) for key, item in value.items())
+    return False
 
 
 class Executor:
@@ -205,8 +236,7 @@ class Executor:
     def _load_rest(self, state: Mapping[str, Any], rng: Any) -> int:
         """Extra state, data and RNGs of a loaded checkpoint (model and optimizer are in)."""
         live = self.state
-        for name, obj in live.extra_state.items():
-            obj.load_state_dict(state["extra"][name])
+        live.load_extra(state["extra"])
         if live.data is not None and state.get("data") is not None:
             live.data.load_state_dict(state["data"])
         self._seams.set_rng_state(rng)
@@ -344,8 +374,7 @@ class Executor:
         restored, self._reapply = self._reapply, None
         if restored is not None:
             self._seams.set_rng_state(restored.rng)
-            for name, obj in self.state.extra_state.items():
-                obj.load_state_dict(restored.extra[name])
+            self.state.load_extra(restored.extra)
             for group, saved in zip(self.state.optimizer.param_groups, restored.groups):
                 group.update(saved)
         if self._open is not None:

@@ -386,6 +386,12 @@ class CheckFreq:
                 "registration": self._registrar.stats() if self._registrar is not None else None}
 
     @property
+    def extra_state(self) -> dict[str, Any]:
+        """The engine's ``extra_state``: a plain value is read from here at each checkpoint
+        and found here after ``restore()``."""
+        return self.engine.extra_state
+
+    @property
     def iteration(self) -> int:
         return self.engine.iteration
 
