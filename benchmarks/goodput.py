@@ -47,12 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--replay-duration", type=float, default=2700.0, help="trace seconds the replay's slice lasts")
     add("--compression", type=float, default=30.0, help="trace seconds per replayed second (default 30)")
     add("--max-nodes", type=int, default=3, help="local training nodes at most (default 3)")
+    add("--reference-s", type=float, default=45.0,
+        help="seconds the reference run trains without preemptions (at most the slice; default 45)")
     add("--variants", default=",".join(goodput_job.VARIANTS), help="which methods the replay runs")
     add("--png", default=None, help="draw the replay's timelines here (matplotlib)")
     add("--work-dir", default=None, help="where the replay's runs go (default: a temporary directory)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.reference_s > 0:
+        raise ValueError(f"--reference-s={args.reference_s:g}: must be > 0")
     window = TraceSlice(start_s=args.trace_start, duration_s=args.trace_duration)
     fleet = _fleet(args.trace, window)
     base = Costs(iter_s=args.iter_s, storage_gbps=args.storage_gbps, restart_s=args.restart_s,
@@ -88,7 +92,7 @@ def _replay(args: argparse.Namespace) -> dict:
           f"runs under {root}")
     started = time.monotonic()
     quiet = LocalSchedule(initial_nodes=schedule.initial_nodes, events=[], peak_live=schedule.peak_live,
-                          duration_s=min(45.0, schedule.duration_s))
+                          duration_s=min(args.reference_s, schedule.duration_s))
     reference = replay.run_variant("none", quiet, job, f"{root}/reference", max_nodes=args.max_nodes)
     rate = replay.reference_rate(reference)
     print(f"reference (no preemption, {schedule.initial_nodes} nodes): {rate:.2f} iterations/s")

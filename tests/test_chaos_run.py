@@ -66,7 +66,7 @@ def test_a_spot_trace_shrinks_and_regrows_an_elastic_run_with_every_sample_once(
     trace.write_text(TRACE)
     report, output = chaos(tmp_path, cache_dir, "--trace", str(trace), "--compression", "12", "--sleep-s", "0.4",
                            "--workers", "2", "--nodes", "2",
-                           env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})
+                           env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
     assert report["finished"] and not report["injector_errors"], output
     assert report["preemptions_survived"] == 2 and report["nodes_added"] == 1, output
     events = [json.loads(line) for line in next((tmp_path / "work").glob("chaos-*/events.jsonl")).open()]

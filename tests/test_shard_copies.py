@@ -147,18 +147,26 @@ def agent(tmp_path):
     node._remove_all()
 
 
+def _held(boxed: list) -> np.ndarray:
+    """The data a peer copy hands out: an object in Ray's store where this process runs Ray
+    (the suite's shared cluster), else the agent's private array."""
+    import ray
+
+    return ray.get(boxed[0]) if isinstance(boxed[0], ray.ObjectRef) else boxed[0]
+
+
 def info(owner: int, step: int, gen: int = 1) -> dict:
     return {"run": RUN, "owner": owner, "world_size": 2, "step": step, "generation": gen}
 
 
 def test_the_agent_keeps_the_two_newest_peer_copies_per_rank_and_replaces_a_step(agent):
     for step in (10, 20, 30):
-        agent.keep_peer_copy(info(1, step), np.full(4, step, dtype=np.uint8))
-    agent.keep_peer_copy(info(0, 10), np.zeros(4, dtype=np.uint8))
-    agent.keep_peer_copy(info(1, 30, gen=2), np.full(4, 31, dtype=np.uint8))
+        agent.keep_peer_copy(info(1, step), b"", np.full(4, step, dtype=np.uint8))
+    agent.keep_peer_copy(info(0, 10), b"", np.zeros(4, dtype=np.uint8))
+    agent.keep_peer_copy(info(1, 30, gen=2), b"", np.full(4, 31, dtype=np.uint8))
     assert sorted((h["owner"], h["step"], h["generation"]) for h in agent.peer_headers()) == \
         [(0, 10, 1), (1, 20, 1), (1, 30, 2)]
-    assert agent.read_peer(1, 30, 2)[0].tolist() == [31] * 4
+    assert _held(agent.read_peer(1, 30, 2)[1]).tolist() == [31] * 4
     with pytest.raises(slots.SlotError, match="step 10"):
         agent.read_peer(1, 10, 1)
     with pytest.raises(slots.SlotError, match="step 30 .generation 1"):
@@ -167,30 +175,47 @@ def test_the_agent_keeps_the_two_newest_peer_copies_per_rank_and_replaces_a_step
 
 def test_a_peer_copy_is_private_to_the_agent(agent):
     packed = np.arange(8, dtype=np.uint8)
-    agent.keep_peer_copy(info(1, 20), packed)
+    agent.keep_peer_copy(info(1, 20), b"meta", packed)
     packed[:] = 0
-    assert agent.read_peer(1, 20, 1)[0].tolist() == list(range(8))
+    meta, data, _ = agent.read_peer(1, 20, 1)
+    assert meta == b"meta" and _held(data).tolist() == list(range(8))
 
 
-def test_a_peer_copy_is_checked_against_its_ranks_checksums_where_it_is_restored(agent):
+def test_under_ray_a_peer_copy_is_an_object_of_the_agents_own_handed_out_by_reference(agent, ray_session):
+    sent = np.arange(16, dtype=np.uint8)
+    agent.keep_peer_copy(info(1, 20), b"meta", sent)
+    sent[:] = 0  # the sender's buffer is reused: the copy is not
+    _, boxed, _ = agent.read_peer(1, 20, 1)
+    assert isinstance(boxed[0], ray_session.ObjectRef)  # no copy of the bytes in the read
+    assert ray_session.get(boxed[0]).tolist() == list(range(16))
+
+
+def test_a_peer_copy_travels_as_the_slots_regions_and_is_checked_where_it_is_restored(agent):
     from ray_checkfreq.ray.shard_copies import verified
-    from ray_checkfreq.ray.transfer import pack_state, unpack_state
-    from ray_checkfreq.storage.arrays import leaf_bytes
-    from ray_checkfreq.storage.checksum import crc32
 
-    weights = torch.arange(64, dtype=torch.float64)
-    crcs = [crc32(leaf_bytes(weights)), None]
-    agent.keep_peer_copy({**info(1, 20), "leaf_crc32": crcs}, pack_state({"w": weights, "step": torch.tensor(3)}))
-    assert "leaf_crc32" not in agent.peer_headers()[0]
-    packed, sent = agent.read_peer(1, 20, 1)
+    [path, _] = agent.allocate(4096, 1 << 20, 1, 2)
+    with slots.MappedSlot.open(path) as target:
+        layout = slots.slot_layout([(("model", "w"), (64,), torch.float64)])
+        views = target.begin_write(step=20, generation=1, layout=layout)
+        views[("model", "w")].copy_(torch.arange(64, dtype=torch.float64))
+        target.finish_write({"model": {"w": views[("model", "w")]}, "step": torch.tensor(3)})
+        _, crcs = target.read_with_checksums()[::2]
+        header, meta, data = target.regions()
+        agent.keep_peer_copy({**info(1, 20), "leaf_crc32": crcs}, meta, data)
+        del data
+    assert header.data_bytes == 64 * 8 and "leaf_crc32" not in agent.peer_headers()[0]
+    meta, boxed, sent = agent.read_peer(1, 20, 1)
+    kept = _held(boxed)
     assert sent == crcs
-    assert torch.equal(verified(unpack_state(packed), sent, "copy")["w"], weights)
-    damaged = packed.copy()
-    damaged[-200] ^= 1  # a byte of the weights (the last leaf holds 8 bytes, padded to 64)
+    state, _ = slots.decode_copy(meta, kept, "copy")
+    assert torch.equal(verified(state, sent, "copy")["model"]["w"], torch.arange(64, dtype=torch.float64))
+    assert int(state["step"]) == 3
+    damaged = kept.copy()
+    damaged[8] ^= 1  # a byte of the weights
     with pytest.raises(slots.SlotError, match="copy: data crc32 mismatch in leaf #0"):
-        verified(unpack_state(damaged), sent, "copy")
-    with pytest.raises(slots.SlotError, match="1 checksums for 2 leaves"):
-        verified(unpack_state(packed), sent[:1], "copy")
+        verified(slots.decode_copy(meta, damaged, "copy")[0], sent, "copy")
+    with pytest.raises(slots.SlotError, match="copy: bad meta region"):
+        slots.decode_copy(meta[:-8] + bytes(8), kept, "copy")
 
 
 def test_each_rank_and_the_replica_get_slot_files_of_their_own(agent):
@@ -217,8 +242,8 @@ def test_after_a_generations_first_commit_the_agent_frees_what_no_restart_can_ch
     for owner, generation in ((0, 1), (1, 1), (2, 2)):
         with slots.MappedSlot.open(owned[owner][0]) as target:
             target.finish_write(begin(target, step=9, rank=owner, generation=generation))
-    agent.keep_peer_copy(info(0, 9, gen=1), np.zeros(8, dtype=np.uint8))
-    agent.keep_peer_copy(info(2, 12, gen=2), np.zeros(8, dtype=np.uint8))
+    agent.keep_peer_copy(info(0, 9, gen=1), b"", np.zeros(8, dtype=np.uint8))
+    agent.keep_peer_copy(info(2, 12, gen=2), b"", np.zeros(8, dtype=np.uint8))
     size = sum(os.path.getsize(path) for path in owned[0])
     assert agent.release_stale(2, [1]) == {"slots": 2, "peer_copies": 1, "bytes": size + 8}
     assert not any(os.path.exists(path) for path in owned[0])

@@ -44,10 +44,14 @@ REPLICATE_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class PeerCopy:
-    """Another node's rank's sealed slot, packed (``transfer.pack_state``), in this agent's memory."""
+    """Another node's rank's sealed slot as it travels (``MappedSlot.regions``): its meta
+    region, and its data region in an object of this agent's own (in Ray's object store when
+    this agent is an actor, so that a read hands it out without copying it again)."""
 
-    info: dict  # run, owner, world_size, step, generation, seq, data_crc32, from_node
-    packed: np.ndarray
+    info: dict  # run, owner, world_size, step, generation, seq, data_crc32, from_node, leaf_crc32
+    meta: bytes
+    data: Any  # an ObjectRef this agent owns, or (in a process without Ray) a private array
+    nbytes: int
 
 
 class NodeAgent:
@@ -148,27 +152,30 @@ class NodeAgent:
                 self._replicating.discard(owner)
 
     def _send_copy(self, path: str, seq: int, owner: int, peer: Any, start: float) -> dict:
-        """``replicate``'s work: the rank's checksums travel with the bytes (checked by the
-        rank that restores from the copy), so the slot is not read twice here."""
-        from ray_checkfreq.ray.transfer import pack_state
-
+        """``replicate``'s work: the slot's regions as they are, the data region put into Ray's
+        object store once (the one copy on this side), the rank's checksums with them (checked
+        by the rank that restores from the copy), so the slot is not read twice here."""
         slot = self._slot(path)
-        header, state, leaf_crcs = slot.read_with_checksums(verify_data=False)
+        header, meta, data = slot.regions()
         if header.seq != seq:
             return {"skipped": f"the slot holds snapshot #{header.seq}, not #{seq}"}
-        packed = pack_state(state)
-        del state
-        if slot.header() != header:  # its rank began the next snapshot in it while it was packed
-            return {"skipped": f"the slot was rewritten while snapshot #{seq} was packed"}
+        leaf_crcs = slots.decode_copy(meta, data, path)[1]  # from the meta region: no data leaf is read
+        sent = ray.put(data)
+        del data
+        if slot.header() != header:  # its rank began the next snapshot in it while it was copied
+            return {"skipped": f"the slot was rewritten while snapshot #{seq} was copied"}
         info = {"run": header.run, "owner": owner, "world_size": self._worlds.get(owner), "step": header.step,
                 "generation": header.generation, "seq": header.seq, "data_crc32": header.data_crc32,
                 "from_node": self.node_id}
-        ray.get(peer.keep_peer_copy.remote({**info, "leaf_crc32": leaf_crcs}, packed), timeout=REPLICATE_TIMEOUT_S)
-        return {**info, "bytes": int(packed.nbytes), "seconds": time.perf_counter() - start}
+        ray.get(peer.keep_peer_copy.remote({**info, "leaf_crc32": leaf_crcs}, meta, sent),
+                timeout=REPLICATE_TIMEOUT_S)
+        return {**info, "bytes": int(header.data_bytes + len(meta)), "seconds": time.perf_counter() - start}
 
-    def keep_peer_copy(self, info: dict, packed: np.ndarray) -> None:
-        """Keep a copy of another node's rank's slot (a private copy: the sender may die)."""
-        kept = PeerCopy(info=dict(info), packed=self._receiver.submit(np.array, packed, copy=True).result())
+    def keep_peer_copy(self, info: dict, meta: bytes, data: np.ndarray) -> None:
+        """Keep a copy of another node's rank's slot: an object of this agent's own (the
+        sender may die), the one copy on this side."""
+        kept = PeerCopy(info=dict(info), meta=bytes(meta), data=self._receiver.submit(_own_copy, data).result(),
+                        nbytes=int(data.nbytes))
         owner = int(info["owner"])
         with self._lock:
             copies = [c for c in self._peers.get(owner, []) if c.info["step"] != kept.info["step"]]
@@ -180,13 +187,15 @@ class NodeAgent:
             return [{k: v for k, v in copy.info.items() if k != "leaf_crc32"}
                     for copies in self._peers.values() for copy in copies]
 
-    def read_peer(self, owner: int, step: int, generation: int) -> tuple[np.ndarray, list]:
-        """The packed peer copy of rank ``owner``'s snapshot of ``step`` (``generation``) and
-        its leaves' crc32 as the rank computed them (``flatten_state`` order, None: no data leaf)."""
+    def read_peer(self, owner: int, step: int, generation: int) -> tuple[bytes, list, list]:
+        """The peer copy of rank ``owner``'s snapshot of ``step`` (``generation``): its meta
+        region, ``[data]`` (the data region's object, boxed so that Ray hands over the reference
+        and the reader gets it without a copy here) and its leaves' crc32 as the rank computed
+        them (``flatten_state`` order, None: no data leaf)."""
         with self._lock:
             for copy in self._peers.get(owner, []):
                 if (copy.info["step"], copy.info["generation"]) == (step, generation):
-                    return copy.packed, list(copy.info.get("leaf_crc32", []))
+                    return copy.meta, [copy.data], list(copy.info.get("leaf_crc32", []))
         raise slots.SlotError(f"<peer copy of rank {owner}>", f"the agent on node {self.node_id[:12]} holds no copy "
                                                                f"of step {step} (generation {generation})")
 
@@ -256,7 +265,7 @@ class NodeAgent:
                 kept = [c for c in copies if int(c.info["generation"]) >= generation]
                 stale = [c for c in copies if int(c.info["generation"]) < generation]
                 released["peer_copies"] += len(stale)
-                released["bytes"] += sum(c.packed.nbytes for c in stale)
+                released["bytes"] += sum(c.nbytes + len(c.meta) for c in stale)
                 if kept:
                     self._peers[owner] = kept
                 else:
@@ -340,6 +349,12 @@ class NodeAgent:
             os.unlink(slot.path)
         except FileNotFoundError:
             pass
+
+
+def _own_copy(data: np.ndarray) -> Any:
+    """An object of this process's own holding ``data``: put into Ray's object store by an
+    actor (a read then hands it out without a copy), a private array in a process without Ray."""
+    return ray.put(data) if ray.is_initialized() else np.array(data, copy=True)
 
 
 def _low_priority_thread(name: str) -> ThreadPoolExecutor:

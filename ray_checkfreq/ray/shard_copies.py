@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,11 +164,17 @@ def read_rank_source(source: RankSource, *, run: str, node_id: str) -> dict:
     try:
         if source.kind == "slot":
             return unpack_state(ray.get(holder.read_packed.remote(source.path, source.seq), timeout=READ_TIMEOUT_S))
-        packed, leaf_crcs = ray.get(holder.read_peer.remote(source.owner, source.step, source.generation),
-                                    timeout=READ_TIMEOUT_S)
+        meta, boxed, leaf_crcs = ray.get(holder.read_peer.remote(source.owner, source.step, source.generation),
+                                         timeout=READ_TIMEOUT_S)
+        data = ray.get(boxed[0], timeout=READ_TIMEOUT_S) if isinstance(boxed[0], ray.ObjectRef) else boxed[0]
     except ray.exceptions.RayError as err:
         raise slots.SlotError(where, f"its node agent could not send it: {err}") from err
-    return verified(unpack_state(packed), leaf_crcs, where)
+    # Ray hands out a read-only view of its object store: the load copies the tensors out of
+    # it and never writes into them, so torch's warning about such tensors does not apply.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not writable", category=UserWarning)
+        state = slots.decode_copy(meta, data, where)[0]
+    return verified(state, leaf_crcs, where)
 
 
 def verified(state: Any, leaf_crcs: Sequence[int | None], where: str) -> Any:

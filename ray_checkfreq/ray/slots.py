@@ -395,6 +395,15 @@ class MappedSlot:
             raise SlotError(self.path, "slot was rewritten while it was being read")
         return header, state, leaf_crcs
 
+    def regions(self) -> tuple[SlotHeader, bytes, np.ndarray]:
+        """A COMPLETE slot as a peer copy travels: its header, its meta region (a copy: it is
+        small) and its used data region (a view of the mapping: drop it before ``close``).
+        ``decode_copy`` reads them back; nothing is checked here."""
+        header = self._readable_header()
+        meta_start = HEADER_BYTES + header.data_capacity
+        data = np.frombuffer(self._mm, dtype=np.uint8, count=header.data_bytes, offset=HEADER_BYTES)
+        return header, bytes(self._mm[meta_start:meta_start + header.meta_bytes]), data
+
     def _verify_leaves(self, leaves: list[Any], leaf_crcs: list[int | None]) -> None:
         for index, (leaf, expected) in enumerate(zip(leaves, leaf_crcs)):
             if expected is not None and crc32(leaf_bytes(leaf)) != expected:
@@ -481,6 +490,18 @@ class MappedSlot:
             return _parse_meta(meta, data, data_offset, used)
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, SkeletonError) as error:
             raise SlotError(self.path, f"bad meta region: {error}") from None
+
+
+def decode_copy(meta: bytes, data: Any, where: str) -> tuple[Any, list[int | None]]:
+    """The state of a slot's regions as ``MappedSlot.regions`` gave them (``data``: the used
+    data region, any buffer; the tensors are views of it) and its leaves' checksums from the
+    meta region; SlotError naming ``where`` for a bad meta region. The data leaves are not
+    checked here (``shard_copies.verified`` does, against the rank's checksums)."""
+    try:
+        state, _, leaf_crcs = _parse_meta(meta, data, 0, len(data))
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError, SkeletonError) as error:
+        raise SlotError(where, f"bad meta region: {error}") from None
+    return state, leaf_crcs
 
 
 def _replace(header: SlotHeader, **changes: Any) -> SlotHeader:
