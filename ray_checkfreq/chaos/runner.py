@@ -328,13 +328,12 @@ def _reference(cluster: LocalCluster, config: ChaosConfig) -> dict:
 
 def _chaos_arm(cluster: LocalCluster, config: ChaosConfig, reference: dict | None) -> dict:
     work_dir = _work_dir(config, f"chaos-{config.checkpoints}")
-    preemptions = plan(config)
-    additions: list[float] = []
-    if config.trace is not None:
-        traced = trace_plan(config)
+    traced = trace_plan(config) if config.trace is not None else None
+    preemptions = plan(config) if traced is None else traced.preemptions
+    if traced is not None:
         cluster.resize(traced.initial_nodes)  # an arm of ``compare`` starts where the trace does
-        additions = traced.additions_s
-    injector = Injector(cluster, config, work_dir, preemptions, additions_s=additions)
+    injector = Injector(cluster, config, work_dir, preemptions,
+                        additions_s=None if traced is None else traced.additions_s)
     workers = config.workers if isinstance(config.workers, int) else tuple(config.workers)
     outcome: dict[str, Exception | None] = {}
 

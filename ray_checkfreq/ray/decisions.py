@@ -69,10 +69,12 @@ class BroadcastDecisions:
         self._inbox: queue.SimpleQueue[list[int] | BaseException] = queue.SimpleQueue()
         self._pending = 0  # broadcasts handed over and not yet picked up (0 or 1)
         self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._broadcast_in_order, name="rcf-decisions", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first exchange
 
     def exchange(self, planned: Action | None) -> Action | None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._broadcast_in_order, name="rcf-decisions", daemon=True)
+            self._thread.start()
         received = self._finish_pending()
         self._outbox.put(to_ints(planned) if (self.is_planner and planned is not None) else list(NO_ACTION_INTS))
         self._pending += 1
@@ -103,6 +105,8 @@ class BroadcastDecisions:
     def close(self) -> None:
         """Complete the last broadcast (every rank started it; none may leave it pending),
         then end the thread."""
+        if self._thread is None:
+            return
         try:
             if self._failed is None:
                 self._finish_pending()
