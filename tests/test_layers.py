@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ray_checkfreq"
 # Lowest first. Shared by all: errors (exceptions only). The package's __init__ and the
 # front ends at the top (chaos, cli) may import anything below them. The repository's
 # top-level benchmarks/ package sits above all of it and is never imported by the library.
-LAYERS = ["errors", "codec", "storage", "engine", "data", "ray", "chaos", "cli"]
+LAYERS = ["errors", "codec", "storage", "engine", "data", "ray", "integrations", "chaos", "cli"]
 SIDEWAYS_OK = {("cli", "chaos")}  # front ends beside each other
 RAY_FREE = ("codec", "storage", "engine")
 

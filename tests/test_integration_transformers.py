@@ -1,0 +1,201 @@
+"""The Hugging Face Trainer callback: a SIGKILLed run resumes bit-identical, where its checkpoint says.
+
+The job (``hf_jobs.py``): a tiny GPT-2 from a config, with dropout, a linear schedule,
+gradient accumulation 2 over 15 batches an epoch (so the last optimizer step of an epoch
+takes one batch), evaluation at each epoch's end, 3 epochs, 24 optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import hf_jobs  # tests/ is on sys.path
+import pytest
+import torch
+
+from ray_checkfreq import CheckpointStore
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+STEPS_PER_EPOCH, BATCHES_PER_EPOCH = 8, 15  # one rank: 7 steps of 2 batches, then 1 of 1
+
+
+def events(work_dir: str, kind: str, rank: int = 0) -> list[dict]:
+    with open(os.path.join(work_dir, f"log-{rank}.jsonl")) as lines:
+        return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def attempts(work_dir: str, rank: int = 0) -> list[list[dict]]:
+    """The log of each attempt (a new attempt starts with its first training batch after a crash)."""
+    found: list[list[dict]] = [[]]
+    with open(os.path.join(work_dir, f"log-{rank}.jsonl")) as lines:
+        for entry in map(json.loads, lines):
+            found[-1].append(entry)
+            if entry["event"] == "crash":
+                found.append([])
+    return found
+
+
+def batches_before_step(step: int) -> int:
+    """Training batches one rank took before optimizer step ``step`` (1 rank)."""
+    epochs, steps = divmod(step, STEPS_PER_EPOCH)
+    return epochs * BATCHES_PER_EPOCH + steps * 2
+
+
+def run_in_process(work_dir: str, storage: str) -> dict:
+    trainer = hf_jobs.build_trainer(work_dir=work_dir, rank=0, storage=storage)
+    trainer.train()
+    hf_jobs.save_final(trainer, work_dir)
+    return torch.load(os.path.join(work_dir, "final.pt"), weights_only=True)
+
+
+def crash_in_a_process(work_dir: str, storage: str, crash_at: int) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, os.path.join(TESTS, "hf_jobs.py"), work_dir, storage, str(crash_at)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"] == 3 * STEPS_PER_EPOCH  # no extra epoch
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"model {key} differs"
+    for index, slots in a["optimizer"]["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"]["state"][index][name])), \
+                f"optimizer state {index}.{name} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, dict]:
+    work_dir = str(tmp_path_factory.mktemp("hf-reference"))
+    return work_dir, run_in_process(work_dir, os.path.join(work_dir, "store"))
+
+
+def test_a_sigkilled_trainer_resumes_bit_identical_at_its_checkpoint(reference, tmp_path):
+    reference_dir, expected = reference
+    work_dir, storage = str(tmp_path), str(tmp_path / "store")
+    assert crash_in_a_process(work_dir, storage, crash_at=13) == -9  # SIGKILL, after step 13 (epoch 2 of 3)
+    checkpoint = CheckpointStore(storage).latest()
+    assert checkpoint is not None and 0 < checkpoint.step <= 13
+
+    resumed = run_in_process(work_dir, storage)
+
+    assert_same_state(expected, resumed)
+    first, second = attempts(work_dir)
+    began = [e for e in second if e["event"] == "first_step"][0]
+    assert began["global_step"] == checkpoint.step  # the resumed attempt began where its checkpoint says
+    assert began["epoch"] == pytest.approx(batches_before_step(checkpoint.step) / BATCHES_PER_EPOCH)
+    # Every sample once, in the uninterrupted run's order: the first attempt's batches up to the
+    # checkpoint, then the resumed attempt's from the next one.
+    reference_batches = [e["ids"] for e in events(reference_dir, "batch")]
+    kept = batches_before_step(checkpoint.step)
+    assert [e["ids"] for e in first if e["event"] == "batch"][:kept] == reference_batches[:kept]
+    assert [e["ids"] for e in second if e["event"] == "batch"] == reference_batches[kept:]
+    # Evaluation at the same steps with the same results, and the same logged epochs and FLOPs.
+    evaluated = [(e["global_step"], e["loss"]) for e in events(work_dir, "eval")]
+    assert evaluated == [(e["global_step"], e["loss"]) for e in events(reference_dir, "eval")]
+    history, expected_history = json.loads(resumed["log_history"]), json.loads(expected["log_history"])
+    assert [(h["step"], h["epoch"]) for h in history] == [(h["step"], h["epoch"]) for h in expected_history]
+    assert history[-1]["total_flos"] == expected_history[-1]["total_flos"]
+
+
+def test_a_resume_from_checkpoint_argument_is_ignored_with_a_warning(tmp_path, caplog):
+    """Ray's documented resume hands the Trainer ray.train.get_checkpoint()'s directory: a
+    ray_checkfreq pointer has no Trainer checkpoint in it (it crash-looped every retry)."""
+    trainer = hf_jobs.build_trainer(work_dir=str(tmp_path), rank=0, storage=str(tmp_path / "store"))
+    pointer = tmp_path / f"checkfreq-pointer-{uuid.uuid4().hex[:8]}" / "checkpoint"
+    with caplog.at_level(logging.WARNING, logger="ray_checkfreq.integrations"):
+        trainer.train(resume_from_checkpoint=str(pointer))
+    assert trainer.state.global_step == 3 * STEPS_PER_EPOCH
+    assert any("resume_from_checkpoint" in r.getMessage() and "ray_checkfreq" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_callback_added_after_the_trainer_was_built_fails_by_name(tmp_path):
+    from transformers import Trainer
+
+    from ray_checkfreq.integrations.transformers import CheckFreqTrainerCallback
+
+    built = hf_jobs.build_trainer(work_dir=str(tmp_path), rank=0, storage=str(tmp_path / "store"))
+    trainer = Trainer(model=built.model, args=built.args, train_dataset=built.train_dataset,
+                      eval_dataset=built.eval_dataset, data_collator=built.data_collator)
+    trainer.add_callback(CheckFreqTrainerCallback(storage=str(tmp_path / "late")))
+    with pytest.raises(RuntimeError, match=r"Trainer\(callbacks=\[\.\.\.\]\)"):
+        trainer.train()
+
+
+def test_outside_ray_train_storage_is_required(tmp_path):
+    trainer = hf_jobs.build_trainer(work_dir=str(tmp_path), rank=0, storage=None)
+    with pytest.raises(ValueError, match="storage="):
+        trainer.train()
+
+
+def test_an_unknown_transformers_version_fails_by_name(monkeypatch):
+    import transformers
+
+    from ray_checkfreq.integrations.transformers import CheckFreqTrainerCallback
+
+    monkeypatch.setattr(transformers, "__version__", "4.46.3")
+    with pytest.raises(RuntimeError, match=r"transformers 4\.46\.3"):
+        CheckFreqTrainerCallback(storage="unused")
+
+
+def test_the_optimizer_under_accelerates_wrapper_is_the_one_checkpointed():
+    """accelerate's AcceleratedOptimizer subclasses Optimizer without its hooks: handed to
+    CheckFreq as it is, it failed with "no attribute '_optimizer_step_pre_hooks'"."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from ray_checkfreq.integrations._common import unwrap_optimizer
+
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert unwrap_optimizer(AcceleratedOptimizer(inner, device_placement=False)) is inner
+    assert unwrap_optimizer(inner) is inner
+    with pytest.raises(TypeError, match="dict: not a torch.optim.Optimizer"):
+        unwrap_optimizer({})
+
+
+@pytest.mark.chaos
+def test_on_ray_train_a_killed_rank_resumes_bit_identical_with_rays_documented_pattern(ray_cluster, tmp_path):
+    """Ray's guide: prepare_trainer, RayTrainReportCallback (the Trainer's checkpoints reported
+    beside ray_checkfreq's pointers) and a get_checkpoint() resume, which used to crash-loop on
+    the pointer. Rank 1 is SIGKILLed after step 5 (2 ranks: 4 steps an epoch, 12 in all)."""
+    from conftest import RUN_TIMEOUT_S
+    from test_ray_train import TRAIN_RESOURCE, assert_nothing_left
+
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
+
+    def fit(name: str, **config) -> tuple[object, str]:
+        work_dir = str(tmp_path / name)
+        os.makedirs(work_dir)
+        run_name = f"hf-{name}-{uuid.uuid4().hex[:6]}"
+        result = fit_job(TrainJob(train=hf_jobs.train_func, config={"work_dir": work_dir, "ray_reporting": True,
+                                                                   **config},
+                                  name=run_name, storage_path=str(tmp_path / "results"), workers=2,
+                                  resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2,
+                                  timeout_s=RUN_TIMEOUT_S))
+        assert_nothing_left(run_name)
+        return result, work_dir
+
+    reference, reference_dir = fit("reference")
+    killed, work_dir = fit("killed", crash_at=5)
+    expected = torch.load(os.path.join(reference_dir, "final.pt"), weights_only=True)
+    resumed = torch.load(os.path.join(work_dir, "final.pt"), weights_only=True)
+    for key in expected["model"]:
+        assert torch.equal(expected["model"][key], resumed["model"][key]), f"model {key} differs"
+    assert expected["global_step"] == resumed["global_step"] == 12
+    assert [e["global_step"] for e in events(work_dir, "crash", rank=1)] == [5]
+    for rank in (0, 1):
+        began = events(work_dir, "first_step", rank=rank)
+        assert [b["global_step"] for b in began][0] == 0 and len(began) == 2
+        restored = began[1]["restored"]
+        # The restarted attempt began at the step its restore says, from RAM or storage.
+        assert 0 < began[1]["global_step"] == began[1]["iteration"] <= 5 and restored["kind"] != "none"
+    assert [(e["global_step"], e["loss"]) for e in events(work_dir, "eval")][-1] == \
+        [(e["global_step"], e["loss"]) for e in events(reference_dir, "eval")][-1]
+    for result in (reference, killed):  # the Trainer's evaluation reaches Result.metrics
+        assert result.metrics["eval_loss"] == events(reference_dir, "eval")[-1]["loss"]
