@@ -102,6 +102,9 @@ def test_a_sigkilled_trainer_resumes_bit_identical_at_its_checkpoint(reference, 
     history, expected_history = json.loads(resumed["log_history"]), json.loads(expected["log_history"])
     assert [(h["step"], h["epoch"]) for h in history] == [(h["step"], h["epoch"]) for h in expected_history]
     assert history[-1]["total_flos"] == expected_history[-1]["total_flos"]
+    # Steps/s of the resumed attempt count its own steps (the Trainer's train() metrics).
+    steps_run = history[-1]["train_steps_per_second"] * history[-1]["train_runtime"]
+    assert abs(steps_run - (3 * STEPS_PER_EPOCH - checkpoint.step)) < 0.5
 
 
 def test_a_resume_from_checkpoint_argument_is_ignored_with_a_warning(tmp_path, caplog):
