@@ -184,10 +184,11 @@ TIERS = {
         "test_shared_policy.py",
         "test_ray_registration.py",
         "test_backend_contract.py",
+        "test_integration_transformers.py", "test_integration_lightning.py",
     ),
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
-        "test_ray_train.py", "test_ray_train_examples.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py",
+        "test_ray_train.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py",
         "test_commit_sim.py",
     ),
     "tooling": (

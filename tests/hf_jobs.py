@@ -3,8 +3,9 @@
 One function builds the Trainer the same way in one process and in a Ray Train worker.
 Each attempt logs JSON lines to ``work_dir/log-<rank>.jsonl``: where it began (the
 iteration ray_checkfreq restored, the Trainer's global step at its first step), the sample
-ids of every batch, the steps the Trainer evaluated at. Rank 0 saves the final model and
-optimizer state and the log history to ``work_dir/final.pt``. ``crash_at``: the first
+ids of every batch, the steps the Trainer evaluated at, and a random number drawn at each
+epoch's end. Rank 0 saves the final model and optimizer state and the log history to
+``work_dir/final.pt``. ``crash_at``: the first
 attempt SIGKILLs a rank after that optimizer step (once per test: a marker file).
 
     python hf_jobs.py WORK_DIR STORAGE [CRASH_AT]     # one process, outside Ray
@@ -85,6 +86,11 @@ def build_trainer(*, work_dir: str, rank: int, storage: str | None, crash_at: in
                 log(work_dir, rank, event="first_step", global_step=state.global_step, epoch=state.epoch,
                     restored=checkfreq.checkfreq.restore_info if hasattr(checkfreq.checkfreq, "restore_info")
                     else None, iteration=checkfreq.checkfreq.iteration)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            # A user's callback that draws the RNG between two steps (after the epoch's last
+            # checkpoint was taken, before the next batch): the checkpoint must hold the RNG after it.
+            log(work_dir, rank, event="draw", global_step=state.global_step, value=torch.rand(1).item())
 
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
             log(work_dir, rank, event="eval", global_step=state.global_step, epoch=state.epoch,

@@ -96,6 +96,10 @@ def test_a_sigkilled_trainer_resumes_bit_identical_at_its_checkpoint(reference, 
     kept = batches_before_step(checkpoint.step)
     assert [e["ids"] for e in first if e["event"] == "batch"][:kept] == reference_batches[:kept]
     assert [e["ids"] for e in second if e["event"] == "batch"] == reference_batches[kept:]
+    # A draw from the RNG between steps (a user's callback at each epoch's end) resumes too.
+    drawn = [(e["global_step"], e["value"]) for e in second if e["event"] == "draw"]
+    assert drawn == [(e["global_step"], e["value"]) for e in events(reference_dir, "draw")
+                     if e["global_step"] > checkpoint.step]
     # Evaluation at the same steps with the same results, and the same logged epochs and FLOPs.
     evaluated = [(e["global_step"], e["loss"]) for e in events(work_dir, "eval")]
     assert evaluated == [(e["global_step"], e["loss"]) for e in events(reference_dir, "eval")]
