@@ -145,8 +145,19 @@ def restore_figures(restores: dict[int, list[list[dict]]], settings: Settings) -
         runs = [[entry for entry in rank_runs if entry["variant"] == name] for rank_runs in restores[world]]
         seconds = [max(runs[r][n]["seconds"] for r in range(world)) for n in range(settings.rounds)]
         found[label] = {"seconds": seconds, "median_s": statistics.median(seconds),
-                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)], **rss_figures(runs)}
+                        "iteration": [runs[0][n]["iteration"] for n in range(settings.rounds)],
+                        "phases_s": phase_figures(runs), **rss_figures(runs)}
     return found
+
+
+def phase_figures(runs: list[list[dict]]) -> dict[str, float] | None:
+    """Each phase of ours' restore: the median over rounds of the slowest rank's seconds."""
+    if any(entry.get("phases_s") is None for rank_runs in runs for entry in rank_runs):
+        return None
+    phases = list(runs[0][0]["phases_s"])
+    return {phase: statistics.median(max(rank_runs[n]["phases_s"].get(phase, 0.0) for rank_runs in runs)
+                                     for n in range(len(runs[0])))
+            for phase in phases}
 
 
 def rss_figures(runs: list[list[dict]]) -> dict:
@@ -206,12 +217,16 @@ def table(figures: dict) -> str:
                      f"{ms(entry['stall_s_later_checkpoints']['slowest'])} | {below} | "
                      f"{ms(entry['slowdown_s_per_checkpoint'])} | {100 * extra:+.1f} % | "
                      f"{'/'.join(str(c) for c in entry['checkpoints'])} | {mib_per_rank(entry)} |")
-    lines += ["", "| restore | median (slowest rank) | rounds | iteration | peak RSS per rank, MiB (rise) |",
-              "|---|---|---|---|---|"]
+    phases = next((list(e["phases_s"]) for e in restores.values() if e.get("phases_s")), [])
+    lines += ["", "| restore | median (slowest rank) | rounds | iteration | peak RSS per rank, MiB (rise) | "
+              + "".join(f"{phase} | " for phase in phases),
+              "|---|---|---|---|---|" + "---|" * len(phases)]
     for label, entry in restores.items():
         rounds = ", ".join(ms(s) for s in entry["seconds"])
+        split = entry.get("phases_s") or {}
         lines.append(f"| {label} | {ms(entry['median_s'])} | {rounds} | {entry['iteration'][0]} | "
-                     f"{mib_per_rank(entry)} |")
+                     f"{mib_per_rank(entry)} | " + "".join(f"{ms(split[p]) if p in split else '-'} | "
+                                                            for p in phases))
     ours = variants["ours"]
     lines += ["", f"ours: cf.step() on an iteration without a checkpoint {ms(ours['step_s_off_checkpoint_median'])} "
               f"(median; the decision exchange, counted in its stall); the engine's own stall count "
@@ -222,6 +237,10 @@ def table(figures: dict) -> str:
               f"the first included: {aims['stall_below_async_x_all_checkpoints']:.1f}x)",
               f"target: slowdown per checkpoint no worse than async_save's: {ms(aims['slowdown_ours_s'])} vs "
               f"{ms(aims['slowdown_async_s'])}, {'met' if aims['slowdown_met'] else 'not met'}",
+              "restore phases (ours; each the median of the slowest rank's): find = list the store for the step, "
+              "manifest = read and check the global manifest, skeleton = this rank's skeleton and the optimizer's "
+              "state created, plan = the boxes to read, read = ranged reads and decode into place, fill = model "
+              "and optimizer set, rest = extra state, data and RNG",
               "not measured here: restore from the own slot and a peer copy (the Ray layer's; see bench sharded --ray)",
               f"whole run: {figures['wall_s']:.1f} s"]
     return "\n".join(lines)

@@ -344,12 +344,13 @@ def restore_job(rank: int, world: int, root: Path) -> None:
             reset_peak_rss()
             rss_at_start = rss_bytes()
             start = time.perf_counter()
-            loaded = _restore_ours(model, opt, settings, rank, root, group) if name == "ours" else \
-                _restore_dcp(model, opt, settings, root)
+            loaded, phases = _restore_ours(model, opt, settings, rank, root, group) if name == "ours" else \
+                (_restore_dcp(model, opt, settings, root), None)
             seconds = time.perf_counter() - start
             if number < 0:
                 continue
             measured.append({"round": number, "variant": name, "seconds": seconds, "iteration": loaded,
+                             "phases_s": phases,
                              "rss_at_start_bytes": rss_at_start, "peak_rss_bytes": peak_rss_bytes()})
             del model, opt
     gathered = _gather(measured, world)
@@ -358,7 +359,8 @@ def restore_job(rank: int, world: int, root: Path) -> None:
 
 
 def _restore_ours(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: Settings, rank: int, root: Path,
-                  group: Any) -> int:
+                  group: Any) -> tuple[int, dict]:
+    """The restored iteration, and the seconds of each phase of the engine's restore."""
     from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
     from ray_checkfreq.ray.decisions import BroadcastDecisions
     from ray_checkfreq.storage import CheckpointStore
@@ -369,7 +371,7 @@ def _restore_ours(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: 
         cf = CheckFreq(model=model, optimizer=opt, storage=store, config=config)
         loaded = cf.restore()  # alone: salvage and the newest committed step, resharded
         cf.close()
-        return loaded
+        return loaded, cf.stats()["restore_phases_s"]
     chosen: list[Any] = [None, None]
     if rank == 0:
         generation = store.acquire_writer()
@@ -383,7 +385,7 @@ def _restore_ours(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: 
     loaded = cf.load_sharded(chosen[1])
     cf.close()
     decisions.close()
-    return loaded
+    return loaded, cf.stats()["restore_phases_s"]
 
 
 def _restore_dcp(model: torch.nn.Module, opt: torch.optim.Optimizer, settings: Settings, root: Path) -> int:

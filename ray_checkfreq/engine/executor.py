@@ -33,6 +33,7 @@ from ray_checkfreq.engine.seams import Action, EngineSeams, Persister
 from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
 from ray_checkfreq.engine.sharded_restore import (
     SHARDING_KEY,
+    PhaseClock,
     find_ref,
     load_rank_snapshot,
     load_rank_state,
@@ -181,14 +182,19 @@ class Executor:
         rank's boxes of ``step`` (any saved world size), then extra state, data and this
         rank's RNG states; returns the step's iteration."""
         mode = self._require_sharded()
+        clock = PhaseClock()
         ref = find_ref(store, step)
+        clock.lap("find")
         self.loading = True
         try:
             loaded = load_rank_state(store, ref, mode.adapter, rank=mode.rank,
-                                     optimizer_class=type(self.state.optimizer).__qualname__)
+                                     optimizer_class=type(self.state.optimizer).__qualname__, clock=clock)
         finally:
             self.loading = False
-        return self._load_rest(loaded.state, loaded.rng)
+        iteration = self._load_rest(loaded.state, loaded.rng)
+        clock.lap("rest")
+        self.stats.restore_phases_s = clock.seconds
+        return iteration
 
     def rank_snapshot_mismatch(self, state: Mapping[str, Any]) -> str | None:
         """Sharded mode: why this rank's own snapshot (a RAM copy) does not fit its shards

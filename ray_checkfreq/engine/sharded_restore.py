@@ -15,8 +15,9 @@ storage: ``snapshot_mismatch`` says whether it fits, ``load_rank_snapshot`` fill
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,20 @@ class RankState:
     rng: Any  # what the rank-aware RNG setter takes (engine/rng.py ``set_own_rng``)
 
 
+@dataclass
+class PhaseClock:
+    """Seconds spent in each phase of a restore, in the order the phases ran."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    _last: float = field(default_factory=time.perf_counter)
+
+    def lap(self, phase: str) -> None:
+        """``phase`` ended now: it took the time since the previous lap."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
     """The newest complete exact checkpoint of ``step``, of either placement."""
     matches = [ref for ref in exact_checkpoints(store) if ref.step == step]
@@ -51,29 +66,37 @@ def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
 
 
 def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAdapter, *, rank: int,
-                    optimizer_class: str) -> RankState:
+                    optimizer_class: str, clock: PhaseClock | None = None) -> RankState:
     """Fill model and optimizer from ``ref`` in place (every rank calls it) and return the
     rest of this rank's saved state; RestoreMismatchError names the first key that does
-    not fit, CorruptCheckpointError a damaged skeleton."""
+    not fit, CorruptCheckpointError a damaged skeleton. ``clock`` times the phases:
+    manifest, skeleton, plan, read, fill."""
+    clock = clock or PhaseClock()
     reader = store.reader(ref)
     if ref.placement == "replicated":
         return _load_replicated(reader, ref.uri, adapter, optimizer_class)
     manifest = reader.manifest
+    clock.lap("manifest")
     source = rank if rank < manifest.world_size else 0
     tree, keys, per_rank = parse_rank_skeleton(reader.skeletons([source])[source], ref.uri)
     indexed = _unflatten(tree, [_LeafIndex(i) for i in range(len(keys))], ref.uri)
     adapter.prepare_optimizer_state(saved_optimizer_leaves(indexed.get("optimizer"), keys, manifest))
+    clock.lap("skeleton")
     targets = adapter.restore_targets()
     boxes = {chunk.name: chunk.box for chunk in targets}
     _check_targets(targets, manifest, set(keys) - per_rank)
     wanted: dict[str, list[Box]] = {name: [Box(box.offsets, box.sizes)] for name, box in boxes.items()}
     for key in per_rank:
         wanted[key] = [whole(_tensor_of(manifest, key, ref.uri).global_shape)]
-    loaded = reader.load_boxes(wanted, into=_in_place(targets, manifest))
+    into = _in_place(targets, manifest)
+    clock.lap("plan")
+    loaded = reader.load_boxes(wanted, into=into)
+    clock.lap("read")
     state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
     _check_optimizer_class(state, optimizer_class)
     adapter.apply(_filler(loaded, boxes, {name: name for name in boxes}),
                   {"model": state["model"], "optimizer": state["optimizer"]})
+    clock.lap("fill")
     own = {rank: state["rng"]} if rank < manifest.world_size else {}
     return RankState(state=state, rng={"world_size": manifest.world_size, "ranks": own})
 

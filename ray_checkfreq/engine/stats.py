@@ -41,6 +41,7 @@ class EngineStats:
     run_overhead: RunOverhead = field(default_factory=RunOverhead)  # the measured overhead, since warm-up
     k_history: list = field(default_factory=list)  # the planner's k: {"iteration", "k", "reason"} per change
     checkpoints_by_cause: dict = field(default_factory=lambda: dict.fromkeys(CHECKPOINT_CAUSES, 0))
+    restore_phases_s: dict | None = None  # the last sharded restore from storage: seconds per phase
 
     def note_k(self, iteration: int, k: int, reason: str) -> None:
         self.k_history.append({"iteration": iteration, "k": k, "reason": reason})
@@ -127,6 +128,7 @@ def report(s: EngineStats, policy: PolicyNow, *, iteration: int, k_applied: int 
         "overhead_lost_s": max(0.0, measured.lost_s),
         "overhead_model": policy.modelled_overhead(),
         "k_history": [dict(entry) for entry in s.k_history],
+        "restore_phases_s": dict(s.restore_phases_s) if s.restore_phases_s is not None else None,
         "checkpoints_by_cause": dict(s.checkpoints_by_cause),
         "profiling_checkpoints": list(s.profiling["checkpoints"]) if s.profiling else None,
         "k_cap": decision.k_cap if decision else None,
