@@ -106,14 +106,14 @@ def _check_node(node: str) -> None:
 
 def _handler_for(service: MetadataService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:  # noqa: N802 (http.server's name)
+        def do_PUT(self) -> None:
             node, path = _split(self.path)
             if node is None or path != TOKEN_PATH:
                 self._answer(404, b"")
             else:
                 self._answer(*service.new_token(self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")))
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             node, path = _split(self.path)
             if node is None or path != NOTICE_PATH:
                 self._answer(404, b"")
@@ -127,7 +127,7 @@ def _handler_for(service: MetadataService) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
     return Handler
