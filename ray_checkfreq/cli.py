@@ -67,6 +67,10 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
     add_chaos_parser(sub)
 
+    from ray_checkfreq.chaos.cluster_cli import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
+
     from ray_checkfreq.chaos.commit_sim.cli import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)

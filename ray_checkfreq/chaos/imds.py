@@ -12,7 +12,9 @@ What ``cluster/spot_notice_watcher.sh`` reads, answered as EC2 answers it:
   announced, else ``{"action": "terminate", "time": "<UTC, ISO 8601 to the second>Z"}``.
 
 Each node has a base of its own (``/node/<name>``), so one server answers a whole local
-cluster. ``expire_tokens()`` ends every token handed out, as their TTL would.
+cluster. ``expire_tokens()`` ends every token handed out, as their TTL would. Another
+process (the chaos harness) announces with ``announce_over_http(url, node, deadline)``:
+``POST /control/notice/<node>`` with the deadline (epoch seconds) as its body.
 """
 
 from __future__ import annotations
@@ -120,6 +122,17 @@ def _handler_for(service: MetadataService) -> type[BaseHTTPRequestHandler]:
             else:
                 self._answer(*service.notice(node, self.headers.get("X-aws-ec2-metadata-token")))
 
+        def do_POST(self) -> None:  # the harness's control: announce a notice
+            prefix = "/control/notice/"
+            try:
+                node = self.path[len(prefix):] if self.path.startswith(prefix) else ""
+                length = int(self.headers.get("Content-Length") or 0)
+                service.announce(node, deadline_epoch_s=float(self.rfile.read(min(length, 64))))
+            except ValueError as err:
+                self._answer(400, str(err).encode())
+                return
+            self._answer(200, b"")
+
         def _answer(self, status: int, body: bytes) -> None:
             service.requests.append((self.command, self.path, status))
             self.send_response(status)
@@ -139,3 +152,12 @@ def _split(path: str) -> tuple[str | None, str]:
     if len(parts) < 4 or parts[1] != "node" or not parts[2]:
         return None, path
     return parts[2], "/" + parts[3]
+
+
+def announce_over_http(url: str, node: str, *, deadline_epoch_s: float) -> None:
+    """Announce an interruption of ``node`` to the stand-in serving at ``url`` (http://host:port)."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/control/notice/{node}", data=repr(deadline_epoch_s).encode(),
+                                     method="POST")
+    urllib.request.urlopen(request, timeout=5).read()

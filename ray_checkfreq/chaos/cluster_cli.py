@@ -1,0 +1,54 @@
+"""``ray-checkfreq cluster``: a local spot cluster to rehearse on (``spot_cluster.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from ray_checkfreq.chaos.spot_cluster import SpotCluster, SpotClusterConfig, down, up
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser("cluster",
+                            help="a local spot cluster: Ray's autoscaler, S3 and spot notices on this machine")
+    actions = parser.add_subparsers(dest="action", required=True)
+    start = actions.add_parser("up", help="start it (prints the environment its clients need)")
+    start.add_argument("--local", action="store_true", required=True,
+                       help="on this machine (the only kind: a cloud cluster is `ray up cluster/aws-spot-gpu.yaml`)")
+    start.add_argument("--dir", required=True, help="the cluster's own directory (config, token, logs)")
+    start.add_argument("--max-workers", type=int, default=SpotClusterConfig.max_workers)
+    start.add_argument("--cpus-per-node", type=int, default=SpotClusterConfig.cpus_per_node)
+    start.add_argument("--idle-timeout-s", type=float, default=SpotClusterConfig.idle_timeout_s)
+    start.set_defaults(func=_up)
+    env = actions.add_parser("env", help="print `export ...` lines for its clients (ray job submit, boto3)")
+    env.add_argument("--dir", required=True)
+    env.set_defaults(func=_env)
+    stop = actions.add_parser("down", help="stop every process it started (never `ray stop`)")
+    stop.add_argument("--dir", required=True)
+    stop.set_defaults(func=_down)
+    return parser
+
+
+def _exports(cluster: SpotCluster) -> str:
+    return "\n".join(f"export {name}={shlex.quote(value)}" for name, value in cluster.client_env().items())
+
+
+def _up(args: argparse.Namespace) -> int:
+    cluster = up(SpotClusterConfig(directory=args.dir, max_workers=args.max_workers,
+                                   cpus_per_node=args.cpus_per_node, idle_timeout_s=args.idle_timeout_s))
+    print(f"# local spot cluster {cluster.cluster_id}: dashboard {cluster.dashboard_url}, S3 {cluster.s3_endpoint} "
+          f"(bucket rcf-spot), GCS {cluster.gcs_address}")
+    print(_exports(cluster))
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    print(_exports(SpotCluster.load(args.dir)))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    stopped = down(args.dir)
+    print(f"stopped {len(stopped)} processes")
+    return 0
