@@ -36,13 +36,14 @@ def chaos(tmp_path, cache_dir, *args: str, env: dict | None = None) -> tuple[dic
 
 
 def test_mixed_preemptions_on_a_fixed_world_end_bit_identical_with_every_sample_once(tmp_path, cache_dir):
-    report, output = chaos(tmp_path, cache_dir, "--preemptions", "3", "--kinds", "persist,notice,commit",
+    # A kill during an agent's persist is tests/test_ray_train.py's (with where the restart began).
+    report, output = chaos(tmp_path, cache_dir, "--preemptions", "2", "--kinds", "notice,commit",
                            "--png", str(tmp_path / "timeline.png"))
     assert report["finished"] and not report["injector_errors"], output
     outcomes = report["detail"]["preemptions"]
-    assert [o["kind"] for o in outcomes] == ["persist", "notice", "commit"], output
+    assert [o["kind"] for o in outcomes] == ["notice", "commit"], output
     assert all(o["restarted"] for o in outcomes), output
-    assert report["preemptions_survived"] == 3
+    assert report["preemptions_survived"] == 2
     assert report["identical_to_uninterrupted"] is True, output
     assert report["samples_lost"] == 0 and report["samples_repeated"] == 0, output
     assert report["k_max"] == 4 and report["lost_iterations_max"] <= 2 * report["k_max"], output

@@ -110,7 +110,7 @@ def test_ray_train_script_resumes_by_itself_with_a_diff_under_10_lines(tmp_path)
 
 @pytest.mark.chaos
 def test_ray_data_elastic_resumes_on_one_worker_with_every_sample_once(tmp_path):
-    out = succeeded(run_example("ray_data_elastic.py", "--storage", str(tmp_path), "--every", "4",
+    out = succeeded(run_example("ray_data_elastic.py", "--storage", str(tmp_path), "--every", "4", "--epochs", "1",
                                 "--crash-at", "18", timeout=420))
     assert found(r"phase 1: (\d+) workers, started at iteration 0", out).group(1) == "2"
     resumed = found(r"phase 2: 1 worker\(s\), resumed at iteration (\d+) from storage", out)
