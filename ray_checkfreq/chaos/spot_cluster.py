@@ -40,6 +40,7 @@ MARKER = "RCF_SPOT_CLUSTER"
 BUCKET = "rcf-spot"
 WORKER_TYPE = "spot"
 STATE_FILE = "cluster.json"
+OBJECT_STORE_BYTES = 256 << 20  # per node: Ray's default (30 % of RAM) for every local node would overcommit
 WATCHER = Path(__file__).resolve().parents[2] / "cluster" / "spot_notice_watcher.sh"
 # Loopback credentials for the local S3 server (moto accepts any).
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -117,8 +118,10 @@ def up(config: SpotClusterConfig) -> SpotCluster:
                           temp_dir=f"/tmp/rcf-spot-{cluster_id}")  # short: Ray's socket paths must fit
     _write_token(Path(cluster.token_path))
     cluster.save()
+    # Every node, job entrypoint and watcher runs this Python (its `python` and `ray` first on PATH).
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = {**os.environ, **cluster.client_env(), MARKER: cluster_id, "RAY_FAKE_CLUSTER": "1",
-           "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+           "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PATH": path}
     env.pop("RAY_ADDRESS")  # the head's own `ray start` must not join another cluster
     try:
         _start_services(cluster, env, s3_port=s3_port, imds_port=imds_port, timeout_s=config.start_timeout_s)
@@ -126,6 +129,7 @@ def up(config: SpotClusterConfig) -> SpotCluster:
         autoscaling.write_text(json.dumps(autoscaling_config(cluster, config), indent=1) + "\n")
         _run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={gcs_port}",
               "--node-ip-address=127.0.0.1", "--num-cpus=0", "--num-gpus=0", "--include-dashboard=true",
+              f"--object-store-memory={OBJECT_STORE_BYTES}",
               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
               f"--dashboard-agent-listen-port={agent_port}", f"--temp-dir={cluster.temp_dir}",
               f"--autoscaling-config={autoscaling}", "--disable-usage-stats"],
@@ -150,7 +154,8 @@ def autoscaling_config(cluster: SpotCluster, config: SpotClusterConfig) -> dict[
                      "watcher": str(WATCHER), "imds_url": cluster.imds_url, "log_dir": cluster.directory},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
-            WORKER_TYPE: {"resources": {"CPU": config.cpus_per_node, WORKER_TYPE: 1}, "node_config": {},
+            WORKER_TYPE: {"resources": {"CPU": config.cpus_per_node, WORKER_TYPE: 1,
+                                        "object_store_memory": OBJECT_STORE_BYTES}, "node_config": {},
                           "min_workers": 0, "max_workers": config.max_workers},
         },
         "head_node_type": "ray.head.default",
