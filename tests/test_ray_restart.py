@@ -252,3 +252,41 @@ def test_a_restore_from_ram_reads_no_checkpoint_data_from_storage(tmp_path, monk
     loaded = restart.read_source(choice, store=store, run=RUN)
     assert torch.equal(loaded["model"]["w"], state["model"]["w"] + 1)  # step 2 is corrupt: step 1, checked
     assert backend.data_bytes >= 2 * 200_000
+
+
+def test_the_stop_moves_earlier_when_the_iterations_slow_down_after_a_notice(monkeypatch, tmp_path):
+    """Seen on the local spot cluster: a replacement node starting beside the training made
+    iterations 3x slower after the notice, and the stop planned at the old pace fell after the
+    deadline (789 iterations trained again). The plan is checked again at every iteration."""
+    import types
+
+    from ray_checkfreq.ray import preemption
+    from ray_checkfreq.ray.preemption import Notice, Preemption
+
+    clock = types.SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(preemption, "time", types.SimpleNamespace(time=lambda: clock.now,
+                                                                   monotonic=lambda: clock.now,
+                                                                   sleep=lambda s: None))
+    notice = Notice(node_id="a", deadline_s=1010.0, seen_s=1000.0)
+    watcher = types.SimpleNamespace(notice=None, close=lambda: None)
+    engine = types.SimpleNamespace(iteration=0, stop_at=None, stats=lambda: {"last_persist_s": 0.1})
+    store = types.SimpleNamespace(write_metadata=lambda name, record: None)
+    handling = Preemption(rank=0, store=store, watcher=watcher, detection_lag_s=0.5, generation=lambda: 1)
+
+    def iterate(seconds: float) -> None:
+        clock.now += seconds
+        engine.iteration += 1
+        handling.time_iteration()
+        handling.plan_for_notice(engine, lookahead=1)
+
+    for _ in range(50):  # 10 ms iterations before the notice
+        iterate(0.01)
+    watcher.notice = notice
+    iterate(0.01)
+    first_plan = engine.stop_at
+    assert first_plan > engine.iteration + 700  # ~9.3 s of 10 ms iterations
+    while engine.iteration + 1 < engine.stop_at:  # then 30 ms iterations until the planned stop
+        iterate(0.03)
+    assert engine.stop_at < first_plan
+    assert clock.now + 0.03 <= notice.deadline_s  # the stop checkpoint starts before the deadline
+    assert handling.notices[-1]["iteration"] == engine.stop_at

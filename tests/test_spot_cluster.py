@@ -7,34 +7,34 @@ every Train worker needs a spot node that the autoscaler launches.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
-from ray_checkfreq.chaos.spot_cluster import BUCKET, WORKER_TYPE, SpotClusterConfig, down, marked_pids, up
+from ray_checkfreq.chaos.spot_cluster import (
+    BUCKET,
+    SpotClusterConfig,
+    announce,
+    down,
+    kill_node,
+    marked_pids,
+    spot_nodes,
+    up,
+)
 
 pytestmark = pytest.mark.chaos
 
 SUBMIT = Path(__file__).resolve().parent.parent / "cluster" / "submit.sh"
-# A small run of cluster/train_spot.py: 2 epochs of 10 iterations on 1 or 2 CPU workers.
-JOB_ARGS = ["--cpu", "--workers", "1-2", "--epochs", "2", "--samples", "960", "--features", "16", "--width", "32",
+# A small run of cluster/train_spot.py on 1 or 2 CPU workers: one epoch of 2000 iterations.
+JOB_ARGS = ["--cpu", "--workers", "1-2", "--epochs", "1", "--samples", "192000", "--features", "16", "--width", "32",
             "--depth", "1", "--global-batch", "96", "--overhead", "0.035"]
-
-
-def alive_spot_nodes(cluster) -> list[str]:
-    """The spot nodes Ray's state API lists as alive (through the dashboard, with the cluster's token)."""
-    request = urllib.request.Request(f"{cluster.dashboard_url}/api/v0/nodes?limit=1000",
-                                     headers={"Authorization": f"Bearer {Path(cluster.token_path).read_text()}"})
-    nodes = json.loads(urllib.request.urlopen(request, timeout=10).read())["data"]["result"]["result"]
-    return [n["node_id"] for n in nodes if n["state"] == "ALIVE" and WORKER_TYPE in n["resources_total"]]
+NOTICE_S = 8.0  # EC2 gives 120 s; here the job must still be training at the deadline
 
 
 class NodeCounter(threading.Thread):
@@ -47,7 +47,7 @@ class NodeCounter(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            count = len(alive_spot_nodes(self.cluster))
+            count = len(spot_nodes(self.cluster))
             if count > self.most:
                 self.most, self.reached_s = count, time.monotonic() - self.started
 
@@ -61,32 +61,60 @@ def wait_until(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_a_submitted_job_scales_up_succeeds_on_s3_and_the_cluster_scales_down(tmp_path):
+def committed_steps(cluster, run: str) -> list[int]:
+    """The steps with a global manifest in the run's store on the cluster's S3."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=cluster.s3_endpoint, **_credentials())
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{run}/checkfreq/").get("Contents", [])]
+    return sorted(int(key.split("/")[3].split("-")[1]) for key in keys if key.endswith("/manifest.json"))
+
+
+def attempts(output: str) -> list[str]:
+    """Rank 0's line at the start of each attempt (the job's log repeats lines: once each)."""
+    return list(dict.fromkeys(line[line.index("attempt starts"):] for line in output.splitlines()
+                              if "attempt starts at iteration" in line))
+
+
+def test_a_submitted_job_survives_a_notice_and_its_node_lost_at_the_deadline(tmp_path):
+    """The whole path of a spot preemption with a notice: the autoscaler launches 2 spot nodes
+    for the job, EC2's notice (the metadata stand-in) reaches one node's watcher, which drains
+    it; ray_checkfreq checkpoints before the deadline; at the deadline the node vanishes (every
+    process SIGKILLed); the autoscaler replaces it and the job, resubmitted by nobody, ends
+    SUCCEEDED having lost no iteration; then the idle nodes go and `down` leaves nothing."""
     directory = tmp_path / "spot"
     cluster = up(SpotClusterConfig(directory=str(directory), max_workers=2, idle_timeout_s=5.0))
     try:
         assert marked_pids(cluster.cluster_id), "up started no process with the cluster's marker"
-        assert alive_spot_nodes(cluster) == []  # min 0: nothing runs before a job asks
+        assert spot_nodes(cluster) == []  # min 0: nothing runs before a job asks
         run = f"spot-{uuid.uuid4().hex[:6]}"
         env = {**os.environ, **cluster.client_env(), "STORAGE_PATH": f"s3://{BUCKET}/runs", "RUN_NAME": run,
                "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}  # its `ray`
         counter = NodeCounter(cluster)
         counter.start()
+        job = subprocess.Popen(["bash", str(SUBMIT), *JOB_ARGS], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
         try:
-            done = subprocess.run(["bash", str(SUBMIT), *JOB_ARGS], env=env, capture_output=True, text=True,
-                                  timeout=300)
+            wait_until(lambda: counter.most == 2 and committed_steps(cluster, run), 180, "2 nodes and a commit")
+            victim = spot_nodes(cluster)[-1]
+            deadline = announce(cluster, victim, notice_s=NOTICE_S)
+            time.sleep(max(0.0, deadline - time.time()))
+            killed = kill_node(cluster, victim)
+            output, _ = job.communicate(timeout=300)
         finally:
             counter.done.set()
-        assert counter.most == 2, counter.most  # the autoscaler launched up to max_workers for the job
-        print(f"2 spot nodes up {counter.reached_s:.1f} s after the submit")
-        assert done.returncode == 0 and "succeeded" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
-        assert "attempt starts at iteration 0 on 2 workers" in done.stdout, done.stdout[-4000:]
-        import boto3
-
-        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=cluster.s3_endpoint, **_credentials())
-                .list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{run}/checkfreq/").get("Contents", [])]
-        assert any(key.endswith("manifest.json") for key in keys), keys[:20]
-        scaled_down_s = wait_until(lambda: alive_spot_nodes(cluster) == [], 60, "the idle spot nodes removed")
+            if job.poll() is None:
+                job.kill()
+        assert killed, "the node had no process left to kill at its deadline"
+        assert job.returncode == 0 and "succeeded" in output, output[-5000:]
+        (directory / "job.out").write_text(output)
+        started = attempts(output)
+        assert len(started) == 2 and "iteration 0 on 2 workers" in started[0], started
+        assert "'lost_after_notice': 0" in started[1], started  # the notice's checkpoint: nothing lost
+        watcher_log = (directory / f"watcher-{victim[-5:]}.log").read_text()
+        assert "draining node" in watcher_log, watcher_log
+        print(f"2 spot nodes up {counter.reached_s:.1f} s after the submit; attempts: {started}")
+        scaled_down_s = wait_until(lambda: spot_nodes(cluster) == [], 60, "the idle spot nodes removed")
         print(f"idle spot nodes removed {scaled_down_s:.1f} s after the job ended")
     finally:
         stopped = down(str(directory))

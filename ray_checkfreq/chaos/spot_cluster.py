@@ -184,13 +184,27 @@ def down(directory: str, *, grace_s: float = 5.0) -> list[int]:
 def kill_node(cluster: SpotCluster, node_id: str) -> list[int]:
     """A spot VM reclaimed without notice: SIGKILL the node's raylet and agents (they carry its
     id) and the workers Ray lists on it; returns the pids."""
-    from ray.util.state import list_workers
-
-    workers = list_workers(address=cluster.gcs_address, filters=[("node_id", "=", node_id)], limit=1000,
-                           raise_on_missing_output=False)
-    pids = sorted({int(w.pid) for w in workers if w.pid} | set(_pids_with("RAY_OVERRIDE_NODE_ID_FOR_TESTING", node_id)))
+    workers = {int(w["pid"]) for w in state_api(cluster, "workers") if w.get("node_id") == node_id and w.get("pid")}
+    pids = sorted(workers | set(_pids_with("RAY_OVERRIDE_NODE_ID_FOR_TESTING", node_id)))
     _signal_all(pids, signal.SIGKILL)
     return pids
+
+
+def spot_nodes(cluster: SpotCluster) -> list[str]:
+    """The spot nodes Ray lists as alive."""
+    return [n["node_id"] for n in state_api(cluster, "nodes") if n["state"] == "ALIVE"
+            and WORKER_TYPE in n["resources_total"]]
+
+
+def state_api(cluster: SpotCluster, resource: str) -> list[dict]:
+    """Ray's state API (``/api/v0/<resource>``) through the dashboard, with the cluster's token:
+    a process that is not a client of this cluster (a test, the harness) reads it without
+    joining it."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{cluster.dashboard_url}/api/v0/{resource}?limit=10000",
+                                     headers={"Authorization": f"Bearer {Path(cluster.token_path).read_text()}"})
+    return list(json.loads(urllib.request.urlopen(request, timeout=30).read())["data"]["result"]["result"])
 
 
 def announce(cluster: SpotCluster, node_id: str, *, notice_s: float) -> float:

@@ -154,21 +154,28 @@ class Preemption:
         self.notices: list[dict] = []
         self._last_step_s: float | None = None
         self._iter_s = 0.0  # moving average of the iteration time
+        self._last_iter_s = 0.0  # the last iteration's time
 
     def time_iteration(self) -> None:
         now = time.monotonic()
         if self._last_step_s is not None:
-            spent = now - self._last_step_s
+            spent = self._last_iter_s = now - self._last_step_s
             self._iter_s = spent if self._iter_s == 0 else 0.9 * self._iter_s + 0.1 * spent
         self._last_step_s = now
 
     def plan_for_notice(self, engine: Any, lookahead: int) -> None:
-        """Rank 0: on a new notice, set the engine's ``stop_at`` and record the notice."""
+        """Rank 0: on a new notice, set the engine's ``stop_at`` and record the notice; on every
+        later iteration, move the stop earlier when the iterations slowed down so much that it
+        would no longer commit before the deadline (a replacement node starting beside the
+        training, say: seen here at 3x the iteration time)."""
         notice = self.watcher.notice if self.watcher is not None else None
-        if notice is None or engine.stop_at is not None:
+        if notice is None:
             return
         persist_s = engine.stats()["last_persist_s"] or 0.0
         earliest = engine.iteration + 1 + lookahead  # what the next step() plans
+        if engine.stop_at is not None:
+            self._replan(engine, notice, earliest=earliest, persist_s=persist_s)
+            return
         engine.stop_at = stop_iteration(now_s=time.time(), notice=notice, iteration=earliest, iter_s=self._iter_s,
                                         persist_s=persist_s, detection_lag_s=self.detection_lag_s)
         self.notices.append({"node_id": notice.node_id, "deadline_s": notice.deadline_s, "seen_s": notice.seen_s,
@@ -179,6 +186,22 @@ class Preemption:
         # Recorded now, not only at the commit: the group may be torn down before it.
         write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),
                                                       stop_at=engine.stop_at, stopped_at=None))
+
+    def _replan(self, engine: Any, notice: Notice, *, earliest: int, persist_s: float) -> None:
+        if earliest > engine.stop_at:
+            return  # the stop is planned already
+        # The slower of the average and the last iteration: a slowdown shows in the last one first.
+        now_at = stop_iteration(now_s=time.time(), notice=notice, iteration=earliest,
+                                iter_s=max(self._iter_s, self._last_iter_s), persist_s=persist_s,
+                                detection_lag_s=self.detection_lag_s)
+        if now_at >= engine.stop_at:
+            return
+        logger.warning("preemption notice: the iterations slowed down; checkpoint at iteration %d instead of %d",
+                       now_at, engine.stop_at)
+        engine.stop_at = now_at
+        self.notices[-1]["iteration"] = now_at
+        write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),
+                                                      stop_at=now_at, stopped_at=None))
 
     def persist_route(self, *, run: str, node_id: str, nodes: list[str]) -> Any:
         """Another node's agent to persist from when ``node_id`` is draining, else None (own)."""
