@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--overhead", type=float, default=0.035, help="checkpoint overhead budget p")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resize-interval-s", type=float, default=15.0,
+                        help="elastic runs: how often Ray Train looks for room to grow (Ray's default, 60 s, leaves a "
+                             "replaced spot node idle for up to a minute)")
     parser.add_argument("--checkpoint-uri", default=None,
                         help="where CheckFreq stores checkpoints (default: <storage-path>/<name>/checkfreq on the "
                              "run's filesystem); an s3:// URI here uses boto3 and S3's conditional writes")
@@ -139,7 +142,9 @@ def build_trainer(args: argparse.Namespace) -> Any:
     return TorchTrainer(
         train_func,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=not args.cpu),
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=not args.cpu,
+                                     **({"elastic_resize_monitor_interval_s": args.resize_interval_s}
+                                        if isinstance(args.workers, tuple) else {})),
         run_config=RunConfig(
             name=args.name,
             storage_path=args.storage_path,

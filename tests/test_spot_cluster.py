@@ -33,7 +33,7 @@ pytestmark = pytest.mark.chaos
 SUBMIT = Path(__file__).resolve().parent.parent / "cluster" / "submit.sh"
 # A small run of cluster/train_spot.py on 1 or 2 CPU workers: one epoch of 2000 iterations.
 JOB_ARGS = ["--cpu", "--workers", "1-2", "--epochs", "1", "--samples", "192000", "--features", "16", "--width", "32",
-            "--depth", "1", "--global-batch", "96", "--overhead", "0.035"]
+            "--depth", "1", "--global-batch", "96", "--overhead", "0.035", "--resize-interval-s", "5"]
 NOTICE_S = 8.0  # EC2 gives 120 s; here the job must still be training at the deadline
 
 

@@ -150,7 +150,7 @@ def autoscaling_config(cluster: SpotCluster, config: SpotClusterConfig) -> dict[
         "idle_timeout_minutes": config.idle_timeout_s / 60,
         "provider": {"type": "external", "module": "ray_checkfreq.chaos.spot_provider.SpotNodeProvider",
                      "gcs_address": cluster.gcs_address, "use_node_id_as_ip": True,
-                     "disable_node_updaters": True, "disable_launch_config_check": True,
+                     "disable_node_updaters": True, "disable_launch_config_check": True, "launch_multiple": True,
                      "watcher": str(WATCHER), "imds_url": cluster.imds_url, "log_dir": cluster.directory},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
