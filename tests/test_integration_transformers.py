@@ -142,6 +142,16 @@ def test_outside_ray_train_storage_is_required(tmp_path):
         trainer.train()
 
 
+def test_several_processes_outside_ray_train_fail_by_name(tmp_path, monkeypatch):
+    """The engine outside Ray Train is one process: several (torchrun) would be several writers."""
+    from transformers import TrainingArguments
+
+    trainer = hf_jobs.build_trainer(work_dir=str(tmp_path), rank=0, storage=str(tmp_path / "store"))
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(RuntimeError, match="with 2 processes outside Ray Train"):
+        trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+
+
 def test_an_unknown_transformers_version_fails_by_name(monkeypatch):
     import transformers
 

@@ -77,6 +77,10 @@ class CheckFreqTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if args.world_size > 1 and not in_ray_train():
+            raise RuntimeError(
+                f"CheckFreqTrainerCallback with {args.world_size} processes outside Ray Train: one process, or the "
+                "Trainer inside a Ray Train worker (TorchTrainer), where ray_checkfreq coordinates the ranks")
         if self.trainer is None or self._data is None:
             raise RuntimeError(
                 "CheckFreqTrainerCallback must be given to Trainer(callbacks=[...]) when the Trainer is built "
