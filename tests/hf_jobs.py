@@ -17,10 +17,10 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import torch
+from ray_train_jobs import log, once  # tests/ is on sys.path
 
 SEQUENCE, VOCAB = 8, 64
 TRAIN_SAMPLES = 60  # 1 rank: 15 batches of 4 an epoch, so the last of 8 optimizer steps takes one batch
@@ -49,19 +49,6 @@ def tiny_gpt2() -> torch.nn.Module:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=32, n_layer=1, n_head=2,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # dropout: the RNG must resume too
     return GPT2LMHeadModel(config)
-
-
-def log(work_dir: str, rank: int, **event: Any) -> None:
-    with open(os.path.join(work_dir, f"log-{rank}.jsonl"), "a") as out:
-        out.write(json.dumps({"t": round(time.time(), 3), **event}) + "\n")
-
-
-def once(work_dir: str, name: str) -> bool:
-    try:
-        os.close(os.open(os.path.join(work_dir, f"fault-{name}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
 
 
 def build_trainer(*, work_dir: str, rank: int, storage: str | None, crash_at: int | None = None,
