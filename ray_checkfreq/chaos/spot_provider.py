@@ -60,9 +60,9 @@ class SpotNodeProvider(FakeMultiNodeProvider):
             return
         env = {**os.environ, "RCF_IMDS_URL": f"{imds}/node/{node_id}", "RCF_NODE_ID": node_id,
                "RCF_GCS_ADDRESS": self._gcs_address or "127.0.0.1:6379", "RCF_NOTICE_POLL_S": "0.5"}
-        log = open(os.path.join(self.provider_config["log_dir"], f"watcher-{node_id[-5:]}.log"), "ab")
-        self._watchers[node_id] = subprocess.Popen(["bash", script], env=env, stdout=log, stderr=log,
-                                                   start_new_session=True)
+        with open(os.path.join(self.provider_config["log_dir"], f"watcher-{node_id[-5:]}.log"), "ab") as log:
+            self._watchers[node_id] = subprocess.Popen(["bash", script], env=env, stdout=log, stderr=log,
+                                                       start_new_session=True)
 
     def _stop_watcher(self, node_id: str) -> None:
         watcher = self._watchers.pop(node_id, None)
