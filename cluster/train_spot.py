@@ -16,6 +16,7 @@ Importing this module starts nothing: Ray is imported inside the functions that 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 from typing import Any
 
@@ -77,7 +78,17 @@ def train_func(config: dict[str, Any]) -> None:
                 break
     cf.close()  # ray_checkfreq: the last checkpoint is durable before the function returns
     if ray.train.get_context().get_world_rank() == 0:
-        print(f"done: {cf.iteration} iterations, stats {cf.stats()}", flush=True)
+        print(f"done: {cf.iteration} iterations, weights sha256 {weights_digest(model)}, stats {cf.stats()}",
+              flush=True)
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of the model's parameters and buffers: equal digests, bit-identical weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def parse_workers(text: str) -> int | tuple[int, int]:
