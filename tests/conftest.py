@@ -210,3 +210,17 @@ def tier_of(item) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item))
+
+
+def pytest_collection_finish(session):
+    """The selected long tests with a child of their own start it now (tests/early_children.py)."""
+    import early_children
+
+    if not session.config.option.collectonly:
+        early_children.start_selected({item.nodeid for item in session.items})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import early_children
+
+    early_children.stop_all()

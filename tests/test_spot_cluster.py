@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+import early_children
 import pytest
 from conftest import TRAIN_ENV
 from state_strategies import assert_same_state
@@ -32,6 +33,7 @@ from ray_checkfreq.chaos.spot_cluster import (
     up,
 )
 from ray_checkfreq.chaos.spot_timeline import Timeline
+from ray_checkfreq.cli import main
 
 pytestmark = pytest.mark.chaos
 
@@ -74,7 +76,30 @@ def final_state(cluster: SpotCluster, run: str) -> dict:
     return store.load()
 
 
+E2E_TEST = "tests/test_spot_cluster.py::test_a_submitted_job_survives_a_notice_and_a_loss_without_one_bit_identical"
+
+
+def _start_e2e(directory: Path, env: dict) -> subprocess.Popen:
+    """This module's end-to-end test, run by a pytest child (it starts a Ray of its own)."""
+    return early_children.start_logged(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--basetemp", str(directory / "base"),
+         E2E_TEST], directory, env, cwd=Path(__file__).resolve().parent.parent)
+
+
+early_children.register(E2E_TEST, _start_e2e)
+
+
 def test_a_submitted_job_survives_a_notice_and_a_loss_without_one_bit_identical(tmp_path, monkeypatch):
+    """Runs in a child started with the session (tests/early_children.py); see ``spot_e2e``."""
+    if early_children.IN_CHILD:
+        spot_e2e(tmp_path, monkeypatch)
+        return
+    done = early_children.wait(E2E_TEST, timeout_s=900)
+    assert done.returncode == 0 and "1 passed" in done.output, done.output[-12000:]
+    print(next((line for line in done.output.splitlines() if line.startswith("timeline: ")), "no timeline"))
+
+
+def spot_e2e(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole path of spot preemptions: the autoscaler launches 2 spot nodes for the job;
     EC2's notice (the metadata stand-in) reaches one node's watcher, which drains it;
     ray_checkfreq checkpoints before the deadline; at the deadline the node vanishes (every
@@ -118,6 +143,9 @@ def test_a_submitted_job_survives_a_notice_and_a_loss_without_one_bit_identical(
         assert reference.returncode == 0, reference_output[-5000:]
         timeline.mark("job_end", job="reference", returncode=reference.returncode)
         reference_state, final = final_state(cluster, f"{run}-reference"), final_state(cluster, run)
+        # No RAM slot of either job is left, not even the lost nodes' (a VM's /dev/shm goes with it;
+        # here every node shares this machine's).
+        assert not [p.name for p in Path("/dev/shm").glob(f"rcf-{run}*")]
         scaled_down_s = wait_until(lambda: spot_nodes(cluster) == [] and timeline.alive_now() == 0, 90,
                                    "the idle spot nodes removed")
         figures = timeline.write(directory / "timeline.json", full_world=WORKERS)
@@ -161,8 +189,8 @@ def preempt_twice(cluster: SpotCluster, timeline: Timeline, job: subprocess.Pope
     full_again = lambda: [a for a in timeline.of("attempt", noticed) if a.detail["world"] == WORKERS]  # noqa: E731
     wait_until(full_again, 150, "training on both nodes again after the notice", job, timeline)
     time.sleep(1.0)  # trains a little on the new node
-    victim = next(n for n in spot_nodes(cluster))
-    assert kill_node(cluster, victim), "no process of the second node to kill"
+    victim = spot_nodes(cluster)[0]
+    assert main(["cluster", "preempt", "--dir", cluster.directory, "--node", victim]) == 0  # as a user would
     lost = timeline.now()
     timeline.mark("kill", node=victim, notice=False)
     wait_until(lambda: timeline.of("attempt", lost), 150, "an attempt after the loss without notice", job, timeline)
@@ -179,3 +207,20 @@ def test_the_config_refuses_bad_values(tmp_path):
         SpotClusterConfig(directory=str(tmp_path), max_workers=0)
     with pytest.raises(ValueError, match="idle_timeout_s=0"):
         SpotClusterConfig(directory=str(tmp_path), idle_timeout_s=0)
+
+
+def test_preempt_refuses_a_node_that_is_not_an_alive_spot_node(tmp_path, monkeypatch):
+    from ray_checkfreq.chaos import cluster_cli
+
+    cluster = SpotCluster(directory=str(tmp_path), cluster_id="c0ffee00", gcs_address="127.0.0.1:1",
+                          dashboard_url="http://127.0.0.1:1", s3_endpoint="http://127.0.0.1:2",
+                          imds_url="http://127.0.0.1:3", token_path=str(tmp_path / "token"), temp_dir=str(tmp_path))
+    cluster.save()
+    monkeypatch.setattr(cluster_cli, "spot_nodes", lambda _: ["ff01"])
+    with pytest.raises(SystemExit, match="--node ff02: not an alive spot node of this cluster"):
+        main(["cluster", "preempt", "--dir", str(tmp_path), "--node", "ff02"])
+    with pytest.raises(SystemExit, match="--notice-s -1.0: must be >= 0 seconds"):
+        main(["cluster", "preempt", "--dir", str(tmp_path), "--notice-s", "-1"])
+    monkeypatch.setattr(cluster_cli, "spot_nodes", lambda _: [])
+    with pytest.raises(SystemExit, match="no spot node is alive"):
+        main(["cluster", "preempt", "--dir", str(tmp_path)])

@@ -48,5 +48,5 @@ def test_the_figures_of_a_notice_a_loss_and_the_scale_down() -> None:
     assert loss == {"at_s": 37.0, "with_notice": True, "replacement_node_up_s": 2.0, "next_attempt_s": 10.0,
                     "next_attempt_world": 1, "resumed_at": 851, "restored_from": "slot", "restore_s": 0.5,
                     "ours_share": 0.05, "lost_after_notice": 0, "full_size_again_s": 20.0,
-                    "notice_commit_s": 3.0}
+                    "notice_checkpoint_step": 851, "notice_checkpoint_before_deadline_s": 2.0}
     assert figures["nodes_removed_after_job_s"] == 5.0  # from the last job's end

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import time
 from typing import Any
 
-from ray_checkfreq.chaos.spot_cluster import SpotCluster, SpotClusterConfig, down, up
+from ray_checkfreq.chaos.spot_cluster import (
+    SpotCluster,
+    SpotClusterConfig,
+    announce,
+    down,
+    kill_node,
+    spot_nodes,
+    up,
+)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -24,6 +33,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     env = actions.add_parser("env", help="print `export ...` lines for its clients (ray job submit, boto3)")
     env.add_argument("--dir", required=True)
     env.set_defaults(func=_env)
+    preempt = actions.add_parser("preempt", help="take a spot node away, with EC2's notice first or without")
+    preempt.add_argument("--dir", required=True)
+    preempt.add_argument("--node", default=None, help="the spot node's id (default: the newest alive)")
+    preempt.add_argument("--notice-s", type=float, default=None,
+                         help="announce the interruption this many seconds ahead (EC2: 120), then kill the node "
+                              "at the deadline; without it the node is killed now")
+    preempt.set_defaults(func=_preempt)
     stop = actions.add_parser("down", help="stop every process it started (never `ray stop`)")
     stop.add_argument("--dir", required=True)
     stop.set_defaults(func=_down)
@@ -51,4 +67,23 @@ def _env(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     stopped = down(args.dir)
     print(f"stopped {len(stopped)} processes")
+    return 0
+
+
+def _preempt(args: argparse.Namespace) -> int:
+    cluster = SpotCluster.load(args.dir)
+    alive = spot_nodes(cluster)
+    if args.node is not None and args.node not in alive:
+        raise SystemExit(f"--node {args.node}: not an alive spot node of this cluster (alive: {alive or 'none'})")
+    if not alive:
+        raise SystemExit("no spot node is alive: submit a job first")
+    if args.notice_s is not None and not args.notice_s >= 0:
+        raise SystemExit(f"--notice-s {args.notice_s}: must be >= 0 seconds")
+    node = args.node or alive[-1]
+    if args.notice_s is not None:
+        deadline = announce(cluster, node, notice_s=args.notice_s)
+        print(f"node {node}: interruption notice, deadline in {args.notice_s:g} s", flush=True)
+        time.sleep(max(0.0, deadline - time.time()))
+    killed = kill_node(cluster, node)
+    print(f"node {node}: {len(killed)} processes killed (SIGKILL)")
     return 0

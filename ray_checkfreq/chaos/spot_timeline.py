@@ -8,8 +8,9 @@ Three sources, recorded as they happen:
 - what the harness did (``mark``): ``submit``, ``notice``, ``kill``, ``job_end``.
 
 ``figures()`` turns a run into the times users ask about: nodes up after a submit; for each
-loss, the replacement node, the next attempt and the return to full size; ours' share of a
-restart (the restore's own seconds); the idle nodes' removal after the job.
+loss, the replacement node, the next attempt and the return to full size; with a notice, the
+step its checkpoint committed and how long before the deadline; ours' share of a restart
+(the restore's own seconds); the idle nodes' removal after the job.
 """
 
 from __future__ import annotations
@@ -154,9 +155,11 @@ class Timeline(threading.Thread):
             if full:
                 loss["full_size_again_s"] = round(full[0].t_s - kill.t_s, 2)
         notices = [e for e in self.of("notice") if e.t_s <= kill.t_s]
-        if loss["with_notice"] and notices:
+        if loss["with_notice"] and notices:  # the notice's checkpoint: the last commit before the deadline
             commits = [e for e in self.of("commit", notices[-1].t_s) if e.t_s <= kill.t_s]
-            loss["notice_commit_s"] = round(commits[0].t_s - notices[-1].t_s, 2) if commits else None
+            if commits:
+                loss.update(notice_checkpoint_step=commits[-1].detail["step"],
+                            notice_checkpoint_before_deadline_s=round(kill.t_s - commits[-1].t_s, 2))
         return loss
 
     def write(self, path: Path, *, full_world: int) -> dict[str, Any]:
