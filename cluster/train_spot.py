@@ -45,6 +45,7 @@ def make_model(features: int, width: int, depth: int) -> torch.nn.Module:
 
 def train_func(config: dict[str, Any]) -> None:
     """The training function every Ray Train worker runs (the ray_checkfreq lines are marked)."""
+    import ray
     import ray.train
     import ray.train.torch
 
@@ -63,8 +64,9 @@ def train_func(config: dict[str, Any]) -> None:
                    overhead=config["overhead"], storage=config["checkpoint_uri"])
     start = cf.restore()  # ray_checkfreq: 0 on a fresh run, else the iteration to resume at
     if ray.train.get_context().get_world_rank() == 0:
-        print(f"attempt starts at iteration {start} on {ray.train.get_context().get_world_size()} workers; "
-              f"restored from: {cf.restore_info}", flush=True)
+        print(f"attempt starts at iteration {start} on {ray.train.get_context().get_world_size()} workers "
+              f"(rank 0 on node {ray.get_runtime_context().get_node_id()}); restored from: {cf.restore_info}",
+              flush=True)
     total = config["epochs"] * len(loader)
     while cf.iteration < total:  # ray_checkfreq: the position lives in cf, not in a loop counter
         for inputs, labels in loader:

@@ -67,8 +67,8 @@ def test_a_short_replay_of_ours_measures_its_restart_and_runs_the_model_beside_i
     out = tmp_path / "goodput.json"
     done = subprocess.run(
         [sys.executable, "-m", "ray_checkfreq.cli", "bench", "goodput", "--variants", "ours", "--replay-start",
-         "10800", "--replay-duration", "750", "--compression", "30", "--max-nodes", "2", "--state-gb", "1",
-         "--reference-s", "12", "--json", str(out), "--work-dir", str(tmp_path / "runs")],
+         "10800", "--replay-duration", "750", "--compression", "30", "--max-nodes", "2", "--state-gb", "0.25",
+         "--reference-s", "6", "--json", str(out), "--work-dir", str(tmp_path / "runs")],
         capture_output=True, text=True, timeout=600)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     replay = json.loads(out.read_text())["replay"]

@@ -198,36 +198,6 @@ def drain(cluster, node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
-def test_a_drain_notice_on_another_node_than_rank0s_loses_no_iteration(reference, train_nodes, tmp_path):
-    """Rank 1's node is drained (3 s deadline) and removed after the deadline. Rank 0's node
-    drained is the next test's case, with its node gone right after the snapshot."""
-    rank = 1
-    require_train_nodes(train_nodes, 3)  # a spare for the restart
-    work = tmp_path / "notice"
-    os.makedirs(work)
-    noticed: dict = {}
-
-    def drain_then_remove(node_id: str) -> None:
-        noticed.update(node=node_id, deadline=time.time() + 3.0)
-        drain(train_nodes, node_id, noticed["deadline"])
-        time.sleep(max(0.0, noticed["deadline"] - time.time()) + 1.0)
-        remove_node_of(train_nodes, node_id)  # after the deadline: a preemption
-
-    preempter = when_rank_reaches(str(work), rank, 10, drain_then_remove)
-    # max_failures=0: a preemption restart is not a failure
-    result, work_dir = fit(tmp_path, "notice", sleep_s=0.2, max_failures=0)
-    preempter.join(timeout=30)
-    assert not isinstance(result, Exception), result
-    assert noticed, "no notice was sent"
-    starts = events(work_dir, 0, "start")
-    assert len(starts) == 2
-    # Every rank blocked inside cf.step() of the stop iteration, before logging it.
-    trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
-    assert starts[1]["iteration"] == trained + 1
-    assert starts[1]["restore"]["lost_after_notice"] == 0
-    assert_same_weights(final_weights(work_dir), reference)
-
-
 def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(reference, train_nodes, tmp_path):
     """Rank 0's node is drained (3 s deadline). Once rank 0 has planned the stop, the other
     node's agent holds the persist of that step, and only that step, for 2 s; rank 0's node is

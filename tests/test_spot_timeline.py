@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from ray_checkfreq.chaos.spot_timeline import Event, Timeline
 
-ATTEMPT_0 = ("(RayTrainWorker pid=1) attempt starts at iteration 0 on 2 workers; restored from: "
+ATTEMPT_0 = ("(RayTrainWorker pid=1) attempt starts at iteration 0 on 2 workers (rank 0 on node ff01); "
+             "restored from: "
              "{'kind': 'none', 'step': 0, 'seconds': 0.0, 'lost_after_notice': None}\n")
-ATTEMPT_1 = ("(RayTrainWorker pid=9) attempt starts at iteration 851 on 2 workers; restored from: "
+ATTEMPT_1 = ("(RayTrainWorker pid=9) attempt starts at iteration 851 on 2 workers (rank 0 on node ff02); "
+             "restored from: "
              "{'kind': 'slot', 'step': 851, 'node_id': 'ff01', 'seconds': 0.5, 'lost_after_notice': 0}\n")
 DONE = "(RayTrainWorker pid=9) done: 3000 iterations, weights sha256 " + "ab" * 32 + ", stats {}\n"
 
@@ -22,7 +24,8 @@ def test_each_attempt_and_the_end_count_once_though_every_node_forwards_the_line
     timeline = timeline_of([])
     timeline.follow([ATTEMPT_0, ATTEMPT_0, "noise\n", ATTEMPT_1, ATTEMPT_1, ATTEMPT_1, DONE, DONE])
     attempts = timeline.of("attempt")
-    assert [(a.detail["iteration"], a.detail["world"]) for a in attempts] == [(0, 2), (851, 2)]
+    assert [(a.detail["iteration"], a.detail["world"], a.detail["rank0_node"]) for a in attempts] == \
+        [(0, 2, "ff01"), (851, 2, "ff02")]
     assert attempts[1].detail["restore"] == {"kind": "slot", "step": 851, "node_id": "ff01", "seconds": 0.5,
                                              "lost_after_notice": 0}
     (done,) = timeline.of("done")

@@ -4,7 +4,8 @@ Three sources, recorded as they happen:
 - polled every ``poll_s``: the spot nodes Ray lists as alive (``node_up``, ``node_gone``) and
   the steps committed in the run's store on the cluster's S3 (``commit``);
 - the job's output, line by line (``follow``): each attempt's first line (``attempt``, with
-  the iteration it began at, its world size and where it restored from) and its end (``done``);
+  the iteration it began at, its world size, rank 0's node and where it restored from) and
+  its end (``done``);
 - what the harness did (``mark``): ``submit``, ``notice``, ``kill``, ``job_end``.
 
 ``figures()`` turns a run into the times users ask about: nodes up after a submit; for each
@@ -28,8 +29,8 @@ from typing import Any
 from ray_checkfreq.chaos.spot_cluster import BUCKET, SpotCluster, spot_nodes
 from ray_checkfreq.storage.names import parse_checkpoint_dir
 
-ATTEMPT = re.compile(r"attempt starts at iteration (?P<iteration>\d+) on (?P<world>\d+) workers; "
-                     r"restored from: (?P<restore>\{.*\})")
+ATTEMPT = re.compile(r"attempt starts at iteration (?P<iteration>\d+) on (?P<world>\d+) workers "
+                     r"\(rank 0 on node (?P<node>[0-9a-f]+)\); restored from: (?P<restore>\{.*\})")
 DONE = re.compile(r"done: (?P<iterations>\d+) iterations, weights sha256 (?P<digest>[0-9a-f]{64})")
 
 
@@ -110,7 +111,7 @@ class Timeline(threading.Thread):
             if attempt:
                 restore = ast.literal_eval(attempt["restore"])  # the job's own printed dict: literals only
                 self.mark("attempt", iteration=int(attempt["iteration"]), world=int(attempt["world"]),
-                          restore=restore)
+                          rank0_node=attempt["node"], restore=restore)
             elif done:
                 self.mark("done", iterations=int(done["iterations"]), digest=done["digest"])
 
