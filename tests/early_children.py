@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -52,27 +53,43 @@ def start_selected(node_ids: set[str]) -> None:
 
 
 def wait(node_id: str, timeout_s: float) -> Finished:
-    """The child's end (killed after ``timeout_s`` from now, which fails its test)."""
+    """The child's end (stopped after ``timeout_s`` from now, which fails its test)."""
     child, directory = _running[node_id]
     deadline = time.monotonic() + timeout_s
     while child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    if child.poll() is None:
-        child.kill()
-        child.wait()
+    _end(child)
     output = (directory / "out.log").read_text(errors="replace") if (directory / "out.log").exists() else ""
     return Finished(child.returncode, output, directory)
 
 
 def stop_all() -> None:
     for child, directory in _running.values():
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        _end(child)
         shutil.rmtree(directory, ignore_errors=True)
     _running.clear()
 
 
+def _end(child: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stop a child still running: SIGINT first, so that a pytest child runs its ``finally``
+    blocks (a spot cluster's ``down``) instead of leaving its processes behind; then SIGKILL."""
+    if child.poll() is not None:
+        return
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def start_logged(command: list[str], directory: Path, env: dict, cwd: Path) -> subprocess.Popen:
     with open(directory / "out.log", "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as Python expects it (a shell's background job has it
+    ignored, and an ignored signal stays ignored across exec), so ``_end`` can interrupt it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray_checkfreq.chaos.spot_cluster import BUCKET, SpotCluster, spot_nodes
+from ray_checkfreq.chaos.spot_cluster import BUCKET, S3_CREDENTIALS, SpotCluster, spot_nodes
 from ray_checkfreq.storage.names import parse_checkpoint_dir
 
 ATTEMPT = re.compile(r"attempt starts at iteration (?P<iteration>\d+) on (?P<world>\d+) workers "
@@ -45,8 +45,9 @@ def committed_steps(cluster: SpotCluster, run: str, *, prefix: str = "runs") -> 
     """The steps with a global manifest in ``s3://rcf-spot/<prefix>/<run>/checkfreq``."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=cluster.s3_endpoint, aws_access_key_id="testing",
-                      aws_secret_access_key="testing", region_name="us-east-1")
+    s3 = boto3.client("s3", endpoint_url=cluster.s3_endpoint, region_name=S3_CREDENTIALS["AWS_REGION"],
+                      aws_access_key_id=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{run}/checkfreq/")
     steps = set()
     for page in pages:
