@@ -256,11 +256,20 @@ def hsdp_tp_job(rank: int, world: int, root: Path) -> None:
     _owners_and_round_trip(root / "tp", rank, world, model, opt, lambda: _tp_net(tp_mesh, seed=5))
 
 
+class _FirstFive(torch.nn.Module):
+    """The first 5 outputs (the targets' width); no state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :5]
+
+
 def _tp_net(mesh: Any, seed: int) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
-    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5)).double()
+    # Both layers 8 x 8: the same global shapes under other placements (weights Shard(0) and
+    # Shard(1), biases Shard(0) and Replicate), which a layout cache must tell apart.
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), _FirstFive()).double()
     return parallelize_module(plain, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 

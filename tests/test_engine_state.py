@@ -116,7 +116,9 @@ def test_hsdp_has_one_owner_per_chunk_and_restores_every_replica(hsdp_tp: Path) 
 def test_tensor_parallel_shard1_chunks_restore(hsdp_tp: Path) -> None:
     per_rank = json.loads((hsdp_tp / "tp.json").read_text())
     rowwise = [next(r for r in records if r["name"] == "model/2.weight") for records in per_rank]
-    assert [(w["offsets"], w["sizes"]) for w in rowwise] == [([0, 2 * r], [5, 2]) for r in range(4)]
+    assert [(w["offsets"], w["sizes"]) for w in rowwise] == [([0, 2 * r], [8, 2]) for r in range(4)]
+    colwise = [next(r for r in records if r["name"] == "model/0.weight") for records in per_rank]
+    assert [(w["offsets"], w["sizes"]) for w in colwise] == [([2 * r, 0], [2, 8]) for r in range(4)]
     bias = [next(r for r in records if r["name"] == "model/2.bias") for records in per_rank]
     assert [b["owner"] for b in bias] == [True, False, False, False]  # Replicate: the first coordinate owns
     _tiles_exactly([r for records in per_rank for r in records])
