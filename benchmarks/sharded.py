@@ -237,10 +237,11 @@ def table(figures: dict) -> str:
               f"the first included: {aims['stall_below_async_x_all_checkpoints']:.1f}x)",
               f"target: slowdown per checkpoint no worse than async_save's: {ms(aims['slowdown_ours_s'])} vs "
               f"{ms(aims['slowdown_async_s'])}, {'met' if aims['slowdown_met'] else 'not met'}",
-              "restore phases (ours; each the median of the slowest rank's): find = list the store for the step, "
-              "manifest = read and check the global manifest, skeleton = this rank's skeleton and the optimizer's "
-              "state created, plan = the boxes to read, read = ranged reads and decode into place, fill = model "
-              "and optimizer set, rest = extra state, data and RNG",
+              "restore phases (ours; each the median of the slowest rank's; each restore starts with no manifest "
+              "decoded, as a restarted process): find = list the store for the step (reads and checks every "
+              "listed manifest), manifest = the global manifest (decoded by find already), skeleton = this rank's "
+              "skeleton and the optimizer's state created, plan = the boxes to read, read = ranged reads and "
+              "decode into place, fill = model and optimizer set, rest = extra state, data and RNG",
               "not measured here: restore from the own slot and a peer copy (the Ray layer's; see bench sharded --ray)",
               f"whole run: {figures['wall_s']:.1f} s"]
     return "\n".join(lines)

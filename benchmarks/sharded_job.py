@@ -333,6 +333,8 @@ def _one_run(name: str, settings: Settings, rank: int, directory: Path, groups: 
 
 def restore_job(rank: int, world: int, root: Path) -> None:
     """Ours (every world size) and, at the saved world size, DCP's load, in interleaved rounds."""
+    from ray_checkfreq.storage.manifest import forget_decoded
+
     settings = _settings(root)
     names = ("ours", "dcp load") if world == settings.ranks else ("ours",)
     group = dist.new_group(backend="gloo")
@@ -340,6 +342,7 @@ def restore_job(rank: int, world: int, root: Path) -> None:
     for number in range(-1, settings.rounds):  # round -1: untimed, the process's warm-up
         for name in names[::-1] if number % 2 else names:
             model, opt = build(settings, seed=1)
+            forget_decoded()  # each restore decodes the manifest, as a restarted process does
             dist.barrier()
             reset_peak_rss()
             rss_at_start = rss_bytes()

@@ -138,6 +138,7 @@ def _time_restores(cf: Any, settings: Settings, restores: dict, step: int, sourc
     from ray_checkfreq.engine import CheckFreq as Engine
     from ray_checkfreq.engine import CheckFreqConfig, EngineSeams
     from ray_checkfreq.ray.decisions import BroadcastDecisions
+    from ray_checkfreq.storage.manifest import forget_decoded
 
     fresh, fresh_opt = build(settings, seed=1)
     decisions = BroadcastDecisions(restores["group"], cf.rank)
@@ -151,6 +152,7 @@ def _time_restores(cf: Any, settings: Settings, restores: dict, step: int, sourc
         for kind in RESTORE_KINDS[shift:] + RESTORE_KINDS[:shift]:
             if kind == "storage cold":
                 drop_page_cache(restores["storage"])  # every rank: each reads other ranks' files too
+            forget_decoded()  # each restore decodes the manifest, as a restarted process does
             dist.barrier()
             start = time.perf_counter()
             iteration = _restore(kind, engine, cf, sources, step)

@@ -14,6 +14,7 @@ dtype (bfloat16, float8) is handled alike.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class Box:
     def volume(self) -> int:
         return math.prod(self.sizes)
 
-    @property
+    @functools.cached_property
     def ends(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 

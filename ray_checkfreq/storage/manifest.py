@@ -385,6 +385,13 @@ def _decode_global(data: bytes) -> GlobalManifest:
     return manifest
 
 
+def forget_decoded() -> None:
+    """Drop the decoded manifests this process keeps, so the next read decodes afresh (what
+    a restarted process pays; benchmarks call it)."""
+    _decode_global.cache_clear()
+    _claims_sharded.cache_clear()
+
+
 def is_parted_manifest(data: bytes) -> bool:
     """Whether ``data`` claims to be a sharded global manifest (format 3 or 4; not checked)."""
     return _claims_sharded(bytes(data))
@@ -555,29 +562,37 @@ def _chunk(key: str, kind: str, dtype: str, shape: tuple[int, ...], raw: dict, s
 
 
 def _check_chunk_place(c: ChunkRecord, sizes: dict[str, int], ranks: set[int]) -> None:
-    where = f"tensor {c.key!r} chunk at {list(c.box.offsets)}"
+    try:
+        _check_chunk_fields(c, sizes, ranks)
+    except ValueError as err:
+        raise ManifestError(f"tensor {c.key!r} chunk at {list(c.box.offsets)}: {err}") from None
+
+
+def _check_chunk_fields(c: ChunkRecord, sizes: dict[str, int], ranks: set[int]) -> None:
+    """Raises ValueError with the reason; the caller names the chunk (only on failure: a
+    manifest has thousands of chunks)."""
     if c.rank not in ranks:
-        raise ManifestError(f"{where}: rank {c.rank} is not one of its part's ranks")
+        raise ValueError(f"rank {c.rank} is not one of its part's ranks")
     if c.codec not in CODECS:
-        raise ManifestError(f"{where}: unknown codec {c.codec!r:.40}")
+        raise ValueError(f"unknown codec {c.codec!r:.40}")
     if c.file not in sizes:
-        raise ManifestError(f"{where}: refers to unlisted file {c.file!r:.80}")
+        raise ValueError(f"refers to unlisted file {c.file!r:.80}")
     if c.offset + c.length > sizes[c.file]:
-        raise ManifestError(f"{where}: extends past the end of {c.file!r}")
+        raise ValueError(f"extends past the end of {c.file!r}")
     nbytes = c.spec.nbytes
     if c.codec == "raw" and c.length != nbytes:
-        raise ManifestError(f"{where}: raw length {c.length} != {nbytes} for its sizes")
+        raise ValueError(f"raw length {c.length} != {nbytes} for its sizes")
     if c.delta and c.codec != "rcfz":
-        raise ManifestError(f"{where}: a delta stored with codec {c.codec!r} (deltas are rcfz blobs)")
+        raise ValueError(f"a delta stored with codec {c.codec!r} (deltas are rcfz blobs)")
     if c.codec == "rcfz" and nbytes > max(c.length, 1) * MAX_EXPANSION:
-        raise ManifestError(f"{where}: {nbytes} bytes from a {c.length}-byte codec blob is more than the "
-                            f"{MAX_EXPANSION}x expansion a blob may have")
+        raise ValueError(f"{nbytes} bytes from a {c.length}-byte codec blob is more than the "
+                         f"{MAX_EXPANSION}x expansion a blob may have")
     block = c.crc_block_bytes
     if not MIN_CRC_BLOCK <= block or block & (block - 1):
-        raise ManifestError(f"{where}: crc_block_bytes {block} is not a power of two from {MIN_CRC_BLOCK}")
+        raise ValueError(f"crc_block_bytes {block} is not a power of two from {MIN_CRC_BLOCK}")
     if len(c.block_crc32) != -(-c.length // block):
-        raise ManifestError(f"{where}: {len(c.block_crc32)} block checksums for {c.length} bytes "
-                            f"in blocks of {block}")
+        raise ValueError(f"{len(c.block_crc32)} block checksums for {c.length} bytes "
+                         f"in blocks of {block}")
 
 
 def _check_part_chunks(chunks: tuple[ChunkRecord, ...]) -> None:
@@ -688,15 +703,16 @@ def _generation(body: dict) -> int:
 
 def _dims(raw: dict, name: str, key: str) -> tuple[int, ...]:
     value = raw.get(name)
+    # ``type(d) is int``: a parsed JSON integer is an int exactly (a bool is not one).
     if not isinstance(value, list) or len(value) > MAX_NDIM or not all(
-            is_int(d) and 0 <= d <= MAX_SIZE_BYTES for d in value):
+            type(d) is int and 0 <= d <= MAX_SIZE_BYTES for d in value):
         raise ManifestError(f"tensor {key!r}: bad {name} {value!r:.200}")
     return tuple(value)
 
 
 def _crc_list(raw: dict, key: str) -> tuple[int, ...]:
     value = raw.get("block_crc32")
-    if not isinstance(value, list) or not all(is_int(c) and 0 <= c <= MAX_CRC32 for c in value):
+    if not isinstance(value, list) or not all(type(c) is int and 0 <= c <= MAX_CRC32 for c in value):
         raise ManifestError(f"tensor {key!r}: bad block_crc32")
     return tuple(value)
 
@@ -707,7 +723,9 @@ def _list(raw: dict, name: str) -> list:
 
 def _field(raw: dict, name: str, kind: type) -> Any:
     value = raw.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if type(value) is kind:  # the common case, decided at once
+        return value
+    if not isinstance(value, kind) or kind is int:  # a bool is no int here
         raise ManifestError(f"field {name!r} missing or not {kind.__name__}")
     return value
 

@@ -17,19 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any, TypeGuard
-
-import numpy as np
 
 MAX_NESTING = 256
 MAX_DIGITS = 100  # a numpy PCG64 state is a 39-digit int
-# A JSON string (escapes included), removed before counting brackets. Linear on valid
-# JSON (every string closes), which is why it runs after the parse.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_OPEN = np.zeros(256, np.int8)
-_OPEN[[ord("["), ord("{")]] = 1
-_OPEN[[ord("]"), ord("}")]] = -1
 
 
 class StoredJsonError(ValueError):
@@ -50,16 +41,22 @@ def parse_stored_json(data: bytes, *, max_bytes: int) -> Any:
         raise
     except ValueError as err:  # UnicodeDecodeError and JSONDecodeError among them
         raise StoredJsonError(f"not valid JSON ({err})") from None
-    _check_nesting(_STRING.sub(b'""', data))
+    _check_nesting(document)
     return document
 
 
-def _check_nesting(text: bytes) -> None:
-    if not text:
-        return
-    depth = np.cumsum(_OPEN[np.frombuffer(text, np.uint8)], dtype=np.int64)
-    if int(depth.max()) > MAX_NESTING:
-        raise StoredJsonError(f"arrays and objects nested more than {MAX_NESTING} deep")
+def _check_nesting(document: Any) -> None:
+    """Containers at most MAX_NESTING deep. The parser itself stops far deeper (its
+    recursion limit, ~1000), so this walks an already bounded tree, without recursion."""
+    pending = [(document, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_NESTING:
+            raise StoredJsonError(f"arrays and objects nested more than {MAX_NESTING} deep")
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _check_digits(text: str) -> None:
