@@ -395,3 +395,27 @@ def test_a_local_store_writes_one_shard_at_a_time_whatever_io_threads_says(tmp_p
     store.save(1, state)
     assert most[0] == 1
     assert torch.equal(CheckpointStore(str(tmp_path / "s")).load()["t3"], state["t3"])
+
+
+def test_listing_one_step_reads_only_that_steps_manifests(tmp_path, monkeypatch):
+    from ray_checkfreq.storage import commit
+
+    store = CheckpointStore(str(tmp_path), keep_last=3, full_every=1)  # no deltas: each step reads alone
+    for step in (1, 2, 3):
+        store.save(step, {"w": torch.full((4,), float(step))})
+    refs = store.list()
+    read: list[str] = []
+    real_read = commit.read_listed_manifest
+
+    def counted(backend, name):
+        read.append(name)
+        return real_read(backend, name)
+
+    monkeypatch.setattr(commit, "read_listed_manifest", counted)
+    fresh = CheckpointStore(str(tmp_path), keep_last=3, full_every=1)  # nothing decoded yet
+    assert fresh.list(step=2) == [refs[1]] and fresh.list(step=4) == []
+    assert torch.equal(fresh.load(3)["w"], torch.full((4,), 3.0))  # a step resolves the same way
+    assert set(read) == {refs[1].name, refs[2].name}
+    assert fresh.list() == refs and refs[0].name in read  # a full listing reads them all
+    with pytest.raises(TypeError, match="step"):
+        fresh.list(step="2")

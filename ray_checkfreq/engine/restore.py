@@ -85,10 +85,11 @@ def _check_tensor(key: str, value: Any, shape: torch.Size, dtype: torch.dtype) -
         raise RestoreMismatchError(key, f"dtype {value.dtype} in the checkpoint, {dtype} in the model")
 
 
-def exact_checkpoints(store: CheckpointStore) -> list[CheckpointRef]:
+def exact_checkpoints(store: CheckpointStore, step: int | None = None) -> list[CheckpointRef]:
     """Every complete checkpoint of either placement a resume may take, oldest first
-    (never a near-lossless history copy)."""
-    return [ref for ref in store.list() if not ref.trimmed]
+    (never a near-lossless history copy); only those of ``step`` when given (only their
+    manifests are read)."""
+    return [ref for ref in store.list(step=step) if not ref.trimmed]
 
 
 def newest_state(store: CheckpointStore) -> dict:

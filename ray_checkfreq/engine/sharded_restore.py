@@ -59,7 +59,7 @@ class PhaseClock:
 
 def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
     """The newest complete exact checkpoint of ``step``, of either placement."""
-    matches = [ref for ref in exact_checkpoints(store) if ref.step == step]
+    matches = exact_checkpoints(store, step)
     if not matches:
         raise CheckpointNotFoundError(f"no complete checkpoint of step {step} in {store.uri}")
     return matches[-1]

@@ -88,12 +88,14 @@ class Catalog:
         self.manifests = _Memo()
         self.parts = _Memo(64)
 
-    def scan(self, read_manifests: bool = True, *, settled: bool = False) -> list[StoredEntry]:
+    def scan(self, read_manifests: bool = True, *, settled: bool = False,
+             only_step: int | None = None) -> list[StoredEntry]:
         """Checkpoint directories, listed again while a listed manifest vanished before it
-        was read, and (``settled``, a reader's answer) until two listings agree."""
+        was read, and (``settled``, a reader's answer) until two listings agree. With
+        ``only_step``, only that step's manifests are read (every directory is listed)."""
         attempts = commit.SETTLED_RESCANS if settled else commit.RESCANS
         for attempt in range(attempts):
-            entries = self._scan_once(read_manifests)
+            entries = self._scan_once(read_manifests, only_step)
             if attempt + 1 == attempts and not settled:
                 return entries
             if any(e.vanished for e in entries):
@@ -102,14 +104,14 @@ class Catalog:
                 return entries
         raise commit.unsettled(self.backend.root_uri)
 
-    def _scan_once(self, read_manifests: bool) -> list[StoredEntry]:
+    def _scan_once(self, read_manifests: bool, only_step: int | None) -> list[StoredEntry]:
         entries = []
         for name, files in self.backend.list_tree().items():
             parsed = parse_checkpoint_dir(name)
             if parsed is not None:  # any other name is not a checkpoint: ignored
                 entry = StoredEntry(name=name, step=parsed[0], generation=parsed[1], files=files)
                 entry.abandoned = commit.holds_abandon_record(self.backend, name, files)
-                if read_manifests and entry.committed:
+                if read_manifests and entry.committed and only_step in (None, entry.step):
                     self._read_into(entry)
                 entries.append(entry)
         return entries
@@ -158,9 +160,11 @@ class Catalog:
                                          "a checkpoint of format 1 or 2: it has no parts")
         return manifest
 
-    def committed(self, *, settled: bool = False) -> list[StoredEntry]:
-        """Committed checkpoints, oldest first (by writer generation, step, commit time)."""
-        return sorted((e for e in self.scan(settled=settled) if e.committed), key=StoredEntry.order_key)
+    def committed(self, *, settled: bool = False, only_step: int | None = None) -> list[StoredEntry]:
+        """Committed checkpoints, oldest first (by writer generation, step, commit time);
+        with ``only_step``, only that step's manifests are read."""
+        return sorted((e for e in self.scan(settled=settled, only_step=only_step) if e.committed),
+                      key=StoredEntry.order_key)
 
     def ref(self, name: str, manifest: Manifest | GlobalManifest) -> CheckpointRef:
         sharded = isinstance(manifest, GlobalManifest)
@@ -180,7 +184,7 @@ class Catalog:
             return ref_or_step
         if isinstance(ref_or_step, bool) or not isinstance(ref_or_step, int):
             raise TypeError(f"expected a CheckpointRef or a step number, got {ref_or_step!r}")
-        entries = self.committed()
+        entries = self.committed(only_step=ref_or_step)
         matches = [e for e in entries if e.step == ref_or_step]
         if not matches:
             raise CheckpointNotFoundError(f"no committed checkpoint for step {ref_or_step} in "

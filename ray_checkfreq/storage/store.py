@@ -350,15 +350,20 @@ class CheckpointStore:
             commit.remove_committed(self.backend, name, self._slot.generation or 0)
 
     # ------------------------------------------------------------------ listing
-    def list(self, *, placement: str | None = None) -> builtins.list[CheckpointRef]:
+    def list(self, *, placement: str | None = None, step: int | None = None) -> builtins.list[CheckpointRef]:
         """Committed checkpoints, every file of them present at its recorded size, oldest
-        first; only those of ``placement`` (``"replicated"`` or ``"sharded"``) when given.
+        first; only those of ``placement`` (``"replicated"`` or ``"sharded"``) when given,
+        and only those of ``step`` (whose manifests alone are then read) when given.
 
         Ordered by writer generation, then step, then commit time: a newer writer's
         checkpoints come after every older writer's, whatever their steps.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step: expected an int or None, got {step!r}")
         refs = []
-        for entry in self._catalog.committed(settled=True):
+        for entry in self._catalog.committed(settled=True, only_step=step):
+            if step is not None and entry.step != step:
+                continue
             if entry.manifest is None:
                 logger.warning("skipping checkpoint: %s", entry.fault)
             elif not entry.intact():
