@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -486,3 +487,52 @@ def test_rng_states_come_back_from_a_stored_checkpoint_in_either_python_form(see
     _draws()
     set_local_rng_state(unflatten_state(flat.skeleton, flat.leaves)["rng"])
     assert _draws() == expected
+
+
+class _RecordedPuts:
+    """A queue whose ``put`` calls (made on the training thread) are written to ``order``."""
+
+    def __init__(self, inner: Any, order: list[str]) -> None:
+        self.inner, self.order = inner, order
+
+    def put(self, item: Any) -> None:
+        if item is not None:  # None: the thread's end, at close()
+            self.order.append("handed over")
+        self.inner.put(item)
+
+    def get(self) -> Any:
+        return self.inner.get()
+
+
+def test_at_a_checkpoint_the_next_decision_broadcast_is_handed_over_after_the_snapshot(tmp_path):
+    import torch.distributed as dist
+
+    from ray_checkfreq.engine import CheckFreqConfig
+    from ray_checkfreq.ray.decisions import BroadcastDecisions
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        decisions = BroadcastDecisions(dist.new_group(backend="gloo"), rank=0)
+        order: list[str] = []
+        decisions._outbox = _RecordedPuts(decisions._outbox, order)  # type: ignore[assignment]
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cf = CheckFreq(model=model, optimizer=opt, storage=CheckpointStore(str(tmp_path / "store")),
+                       config=CheckFreqConfig(every=2, compress=False), seams=EngineSeams(decisions=decisions))
+        take = cf._executor._take_snapshot
+        cf._executor._take_snapshot = lambda *args: order.append("snapshot") or take(*args)  # type: ignore[method-assign]
+        for step in range(1, 5):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cf.step()
+            order.append(f"step {step} done")
+        cf.close()
+        decisions.close()
+    finally:
+        dist.destroy_process_group()
+    # Steps 1 and 3 hand the next action over at once; steps 2 and 4 checkpoint first, and
+    # every step hands its action over before it returns.
+    assert order == ["handed over", "step 1 done", "snapshot", "handed over", "step 2 done",
+                     "handed over", "step 3 done", "snapshot", "handed over", "step 4 done"]
+    assert [ref.step for ref in CheckpointStore(str(tmp_path / "store")).list()] == [2, 4]

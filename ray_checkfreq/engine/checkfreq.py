@@ -341,7 +341,12 @@ class CheckFreq:
             self._follow_policy()
         action = self._decisions.exchange(planned)
         if action is not None:
-            self._executor.apply(action)
+            try:
+                self._executor.apply(action)
+            finally:
+                hand_over = getattr(self._decisions, "hand_over", None)
+                if hand_over is not None:
+                    hand_over()
 
     def _follow_policy(self) -> None:
         """The planner's policy reaches the snapshotter (its mode) and the profile cache."""

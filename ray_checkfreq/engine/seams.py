@@ -60,7 +60,9 @@ class DecisionChannel(Protocol):
 
     def exchange(self, planned: Action | None) -> Action | None:
         """Hand over the planner's action for iteration now + lookahead (None elsewhere);
-        returns the action to apply now (None: nothing)."""
+        returns the action to apply now (None: nothing). A channel may hold the hand-over
+        back while the returned action is applied: the engine then calls its
+        ``hand_over()`` (an optional method) once it has applied it, whatever happened."""
         ...
 
 
