@@ -264,7 +264,7 @@ Layouts = dict[_LayoutKey, tuple[Box, bool]]
 
 
 def chunk_of(path: KeyPath, name: str, tensor: torch.Tensor, *, plain_owner: bool,
-             layouts: Layouts | None = None) -> TensorChunk:
+             layouts: Layouts) -> TensorChunk:
     """The chunk record of one tensor leaf (a DTensor's local piece, or a whole tensor);
     ``layouts`` remembers the DTensor layouts met so far in one walk."""
     if not isinstance(tensor, DTensor):
@@ -274,11 +274,9 @@ def chunk_of(path: KeyPath, name: str, tensor: torch.Tensor, *, plain_owner: boo
     local = _local(tensor)
     global_shape = tuple(tensor.shape)
     key = (global_shape, tuple(tensor.placements), id(tensor.device_mesh))
-    known = layouts.get(key) if layouts is not None else None
+    known = layouts.get(key)
     if known is None:
-        known = (_dtensor_box(name, tensor), _owns(name, tensor))
-        if layouts is not None:
-            layouts[key] = known
+        known = layouts[key] = (_dtensor_box(name, tensor), _owns(name, tensor))
     box, owner = known
     if box.sizes != tuple(local.shape):
         raise UnsupportedStateError(

@@ -48,11 +48,9 @@ def parse_stored_json(data: bytes, *, max_bytes: int) -> Any:
 def _check_nesting(document: Any) -> None:
     """Containers at most MAX_NESTING deep. The parser itself stops far deeper (its
     recursion limit, ~1000), so this walks an already bounded tree, without recursion."""
-    pending = [(document, 1)]
+    pending = [(document, 1)] if isinstance(document, (dict, list)) else []
     while pending:
         node, depth = pending.pop()
-        if not isinstance(node, (dict, list)):
-            continue
         if depth > MAX_NESTING:
             raise StoredJsonError(f"arrays and objects nested more than {MAX_NESTING} deep")
         children = node.values() if isinstance(node, dict) else node
