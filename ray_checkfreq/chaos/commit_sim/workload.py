@@ -211,7 +211,7 @@ def _register_pointer(ctx: Context, store: Any) -> None:
         return
     registered = ctx.scheduler.tick
     ctx.pointers.add(ref.step)
-    if ref.name in {r.name for r in store.list()}:
+    if ref.name in {r.name for r in store.list(step=ref.step)}:  # reads that step's manifests only
         ctx.history.pointers.setdefault(ref.step, registered)
 
 
