@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -64,9 +65,14 @@ def wait(node_id: str, timeout_s: float) -> Finished:
 
 
 def stop_all() -> None:
+    """End every child; a failed child's directory (its log, its tmp_path) stays for diagnosis."""
     for child, directory in _running.values():
         _end(child)
-        shutil.rmtree(directory, ignore_errors=True)
+        if child.returncode == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"\nan early child failed (exit {child.returncode}); its files are kept in {directory}",
+                  file=sys.stderr)
     _running.clear()
 
 
