@@ -4,9 +4,10 @@ One function builds the Trainer the same way in one process and in a Ray Train w
 Each attempt logs JSON lines to ``work_dir/log-<rank>.jsonl``: where it began (the
 iteration ray_checkfreq restored, the Trainer's global step at its first step), the sample
 ids of every batch, the steps the Trainer evaluated at, and a random number drawn at each
-epoch's end. Rank 0 saves the final model and optimizer state and the log history to
-``work_dir/final.pt``. ``crash_at``: the first
-attempt SIGKILLs a rank after that optimizer step (once per test: a marker file).
+epoch's end, and the learning rate of every optimizer step. Rank 0 saves the final model
+and optimizer state and the log history to ``work_dir/final.pt``. ``crash_at``: the first
+attempt SIGKILLs a rank after that optimizer step (once per test: a marker file);
+``stop_at``: the Trainer stops after that step (its end: the checkpoint made durable).
 
     python hf_jobs.py WORK_DIR STORAGE [CRASH_AT]     # one process, outside Ray
 """
@@ -52,7 +53,7 @@ def tiny_gpt2() -> torch.nn.Module:
 
 
 def build_trainer(*, work_dir: str, rank: int, storage: str | None, crash_at: int | None = None,
-                  every: int = 2, gradient_accumulation: int = 2, ray_reporting: bool = False) -> Any:
+                  stop_at: int | None = None, every: int = 2, gradient_accumulation: int = 2, ray_reporting: bool = False) -> Any:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ray_checkfreq.integrations.transformers import CheckFreqTrainerCallback
@@ -83,7 +84,13 @@ def build_trainer(*, work_dir: str, rank: int, storage: str | None, crash_at: in
             log(work_dir, rank, event="eval", global_step=state.global_step, epoch=state.epoch,
                 loss=metrics["eval_loss"])
 
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            # The learning rate this optimizer step used (the scheduler steps after it).
+            log(work_dir, rank, event="lr", global_step=state.global_step + 1, lr=optimizer.param_groups[0]["lr"])
+
         def on_step_end(self, args, state, control, **kwargs):
+            if stop_at is not None and state.global_step == stop_at:
+                control.should_training_stop = True
             if crash_at is not None and state.global_step == crash_at and rank == min(1, args.world_size - 1) \
                     and once(work_dir, "crash"):
                 log(work_dir, rank, event="crash", global_step=state.global_step)
@@ -120,8 +127,8 @@ def train_func(config: dict) -> None:
 
     work_dir = config["work_dir"]
     rank = ray.train.get_context().get_world_rank()
-    trainer = prepare_trainer(build_trainer(work_dir=work_dir, rank=rank, storage=None,
-                                            crash_at=config.get("crash_at"),
+    trainer = prepare_trainer(build_trainer(work_dir=work_dir, rank=rank, storage=config.get("storage"),
+                                            crash_at=config.get("crash_at"), stop_at=config.get("stop_at"),
                                             ray_reporting=config.get("ray_reporting", False)))
     checkpoint = ray.train.get_checkpoint() if config.get("ray_reporting") else None
     if checkpoint is not None:

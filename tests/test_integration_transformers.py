@@ -216,3 +216,43 @@ def test_on_ray_train_a_killed_rank_resumes_bit_identical_with_rays_documented_p
         [(e["global_step"], e["loss"]) for e in events(reference_dir, "eval")][-1]
     for result in (reference, killed):  # the Trainer's evaluation reaches Result.metrics
         assert result.metrics["eval_loss"] == events(reference_dir, "eval")[-1]["loss"]
+
+
+@pytest.mark.chaos
+def test_restarted_from_2_workers_on_1_the_schedule_continues_as_a_run_on_1_worker(reference, ray_cluster, tmp_path):
+    """The issue: restarted on 1 worker from 2, the scheduler kept the 2-worker step count under
+    the 1-worker total (the lr jumped, and the run ended at 0.00102 instead of about 0). On 2
+    workers (4 steps an epoch, 12 in all) the Trainer stops after step 6 (epoch 1, its sample
+    32); a new run on 1 worker (8 steps an epoch, 24 in all) resumes from that storage at step
+    12, where a run on 1 worker has seen the same samples, and every step after it has the
+    lr, the batch and the evaluations of the uninterrupted run on 1 worker."""
+    from conftest import RUN_TIMEOUT_S
+    from test_ray_train import TRAIN_RESOURCE
+
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
+
+    reference_dir, _ = reference
+    storage = str(tmp_path / "store")
+
+    def fit(name: str, workers: int, **config) -> str:
+        work_dir = str(tmp_path / name)
+        os.makedirs(work_dir)
+        fit_job(TrainJob(train=hf_jobs.train_func, config={"work_dir": work_dir, "storage": storage, **config},
+                         name=f"hf-{name}-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "results"),
+                         workers=workers, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1},
+                         timeout_s=RUN_TIMEOUT_S))
+        return work_dir
+
+    fit("two", 2, stop_at=6)
+    assert CheckpointStore(storage).latest().step == 6
+    work_dir = fit("one", 1)
+
+    began = events(work_dir, "first_step")[0]
+    assert (began["iteration"], began["global_step"]) == (6, 12)  # 6 of 12 steps on 2 workers: 12 of 24 on 1
+    expected_lr = [(e["global_step"], e["lr"]) for e in events(reference_dir, "lr") if e["global_step"] > 12]
+    assert [(e["global_step"], e["lr"]) for e in events(work_dir, "lr")] == expected_lr
+    assert expected_lr[-1][0] == 3 * STEPS_PER_EPOCH and expected_lr[-1][1] < 1.5e-4  # the schedule's end
+    kept = batches_before_step(12)  # the same samples before that step, on 1 worker
+    assert [e["ids"] for e in events(work_dir, "batch")] == [e["ids"] for e in events(reference_dir, "batch")][kept:]
+    assert [e["global_step"] for e in events(work_dir, "eval")] == \
+        [e["global_step"] for e in events(reference_dir, "eval") if e["global_step"] > 12]

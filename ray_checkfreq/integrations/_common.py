@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,15 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def in_ray_train() -> bool:
     """True inside a Ray Train worker."""
     return train_context() is not None
+
+
+def announce(line: str, logger: logging.Logger) -> None:
+    """One visible line in a plain process (a script shows no INFO logs); the log under Ray
+    Train, whose restart already says where each rank restored from."""
+    if in_ray_train():
+        logger.info(line)
+    else:
+        print(line, flush=True)
 
 
 def open_checkfreq(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Any,

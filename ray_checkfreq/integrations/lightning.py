@@ -12,9 +12,14 @@ sharded by rank, so a resume continues at the exact next batch.
 An iteration is one optimizer step, and it ends where the next batch starts: ``cf.step()``
 for step i runs at the start of the batch after it (and at the end of training), so a
 checkpoint of iteration i holds what ran between the steps (validation and its RNG
-draws, scheduler steps, the epoch's end). A resumed run sets the RNG states, schedulers
-and the optimizer's hyper-parameters again at its first batch, undoing whatever ran
-between the restore and that batch.
+draws, scheduler steps, the epoch's end). The train data's fetch hook, the engine's one
+mechanism for "the next iteration starts", fires there too: it completes that checkpoint,
+and after a restore the engine sets the RNG states, schedulers, loop counters and the
+optimizer's hyper-parameters again, undoing whatever ran between the restore and that batch.
+
+A checkpoint written by another number of workers is refused at restore, by name:
+Lightning counts its loops per rank (batches an epoch, validation points, the schedulers'
+steps), so a run at another world size would not continue where it stands.
 """
 
 from __future__ import annotations
@@ -26,11 +31,10 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ray_checkfreq.integrations import _lightning_loops as loops
-from ray_checkfreq.integrations._common import in_ray_train, open_checkfreq, unwrap_optimizer
+from ray_checkfreq.integrations._common import announce, in_ray_train, open_checkfreq, unwrap_optimizer
 
 __all__ = ["CheckFreqLightningCallback", "ResumableTrainData"]
 
@@ -42,12 +46,17 @@ _LOOPS_KEY = "lightning_loops"
 class ResumableTrainData:
     """What Lightning iterates as the train data: a ``resumable()`` iterator whose
     ``state_dict()`` is the position of the batch that started last (Lightning fetches a
-    batch before its hooks run, some loaders one more ahead)."""
+    batch before its hooks run, some loaders one more ahead). Its fetch hooks
+    (``add_fetch_hook``, CheckFreq's) run when Lightning starts a batch (``batch_starts``),
+    not when it prefetches one."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self._handed: deque[dict] = deque()  # position before each batch handed out, not yet started
         self._position: dict = inner.state_dict()
+        self._fetch_hooks: dict[int, Callable[[], None]] = {}
+        self.restored_world_size: int | None = None
+        """The world size of the state the last ``load_state_dict`` loaded."""
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -67,10 +76,23 @@ class ResumableTrainData:
             self._handed.append(before)
             yield batch
 
+    def add_fetch_hook(self, hook: Callable[[], None]) -> Any:
+        """Call ``hook()`` whenever a batch starts (``run_fetch_hooks``)."""
+        from ray_checkfreq.data.iterator import FetchHookHandle
+
+        key = max(self._fetch_hooks, default=0) + 1
+        self._fetch_hooks[key] = hook
+        return FetchHookHandle(self._fetch_hooks, key)
+
     def batch_starts(self) -> None:
         """The oldest batch handed out starts: the position is now 'this batch is next'."""
         if self._handed:
             self._position = self._handed.popleft()
+
+    def run_fetch_hooks(self) -> None:
+        """The batch that started is asked for: nothing of it has run yet."""
+        for hook in list(self._fetch_hooks.values()):
+            hook()
 
     def training_ends(self) -> None:
         """After the last batch: the position of the next batch that never started."""
@@ -81,6 +103,7 @@ class ResumableTrainData:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.inner.load_state_dict(state)
+        self.restored_world_size = state.get("world_size")
         self._handed.clear()
         self._position = self.inner.state_dict()
 
@@ -97,28 +120,28 @@ class ResumableTrainData:
 
 
 class _LoopState:
-    """Lightning's loop counters as CheckFreq's ``extra_state`` entry."""
+    """Lightning's loop counters as CheckFreq's ``extra_state`` entry.
+
+    Loaded before fit's loops run (the restore), it is Lightning's own loop restore; loaded
+    again once a batch started (the engine sets the restored state again at the first
+    batch), the loops restarted from it already, and it only settles what Lightning's
+    restart path counts differently (``settle_after_restart``)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.loaded: dict | None = None
+        self.loaded: dict | None = None  # restored, until the first batch starts
+        self.batches_started = False
 
     def state_dict(self) -> dict:
-        return loops.loop_state(self.trainer)
+        return copy.deepcopy(self.loaded) if self.loaded is not None else loops.loop_state(self.trainer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.batches_started:
+            loops.settle_after_restart(self.trainer, copy.deepcopy(dict(state)))
+            self.loaded = None
+            return
         self.loaded = copy.deepcopy(dict(state))
         loops.load_loop_state(self.trainer, self.loaded)
-
-
-@dataclass(frozen=True)
-class _Restored:
-    """What the first batch after a restore sets again."""
-
-    rng: dict
-    extra: dict[str, Any]
-    groups: list[dict]
-    loops: dict
 
 
 class CheckFreqLightningCallback(loops.pl.Callback):
@@ -137,7 +160,7 @@ class CheckFreqLightningCallback(loops.pl.Callback):
         self.restored_iteration: int | None = None
         """The iteration (optimizer steps) the last fit resumed at; 0 on a fresh run."""
         self._data: ResumableTrainData | None = None
-        self._restored: _Restored | None = None
+        self._loops: _LoopState | None = None
         self._done = False
 
     # ------------------------------------------------------------------ set-up
@@ -148,7 +171,7 @@ class CheckFreqLightningCallback(loops.pl.Callback):
         if trainer.world_size > 1 and not in_ray_train():
             raise RuntimeError(f"CheckFreqLightningCallback with {trainer.world_size} processes outside Ray Train: "
                                "run the Trainer in a Ray Train worker (TorchTrainer), or in one process")
-        self._data, self._restored, self._done, self.cf = None, None, False, None
+        self._data, self._loops, self._done, self.cf = None, None, False, None
         loops.patch_resume_start(trainer, self._checkpoint_path)
         loops.wrap_train_source(trainer, self._train_data(trainer))
 
@@ -158,7 +181,8 @@ class CheckFreqLightningCallback(loops.pl.Callback):
             raise NotImplementedError(f"CheckFreqLightningCallback does not support {reason}")
         data = loops.request_train_data(trainer)
         optimizer = unwrap_optimizer(trainer.optimizers[0])
-        extra: dict[str, Any] = {_LOOPS_KEY: _LoopState(trainer)}
+        self._loops = _LoopState(trainer)
+        extra: dict[str, Any] = {_LOOPS_KEY: self._loops}
         extra.update({f"lr_scheduler_{i}": config.scheduler for i, config in enumerate(trainer.lr_scheduler_configs)})
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if callable(getattr(scaler, "state_dict", None)):
@@ -167,11 +191,22 @@ class CheckFreqLightningCallback(loops.pl.Callback):
                                  storage=self.storage, options=self._options(trainer, data))
         self.restored_iteration = self.cf.restore()
         if self.restored_iteration > 0:
-            self._restored = _capture(optimizer, extra)
+            self._refuse_another_world_size(trainer, data)
+            _announce_resume(self.restored_iteration, data)
             if loops.drop_loaded_checkpoint(trainer):
                 warnings.warn(f"ray_checkfreq restored iteration {self.restored_iteration}: the Lightning checkpoint "
                               "of fit(ckpt_path=...) is not applied (ray_checkfreq resumes the run; drop ckpt_path)",
                               stacklevel=2)
+
+    def _refuse_another_world_size(self, trainer: Any, data: ResumableTrainData) -> None:
+        saved = data.restored_world_size
+        if saved is not None and saved != trainer.world_size:
+            raise RuntimeError(
+                f"CheckFreqLightningCallback: the checkpoint of iteration {self.restored_iteration} was written by "
+                f"{saved} workers and this run has {trainer.world_size}: resuming Lightning at another world size is "
+                "not supported (its loops count batches per rank: the batches an epoch, the validation points and "
+                f"the step-interval LR schedulers would not continue where a run on {trainer.world_size} stands). "
+                f"Restart on {saved} workers, or start a new run in another storage")
 
     def _options(self, trainer: Any, data: ResumableTrainData) -> dict:
         options = dict(self.options)
@@ -202,12 +237,15 @@ class CheckFreqLightningCallback(loops.pl.Callback):
 
     # ------------------------------------------------------------------ each batch
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        restored, self._restored = self._restored, None
-        if restored is not None:
-            _apply(restored, trainer, self.cf)
-        assert self._data is not None
+        assert self._data is not None and self._loops is not None
         self._data.batch_starts()
-        self._step_to(trainer.global_step)
+        self._step_to(trainer.global_step)  # the iteration that ended: its checkpoint taken as this batch starts
+        first = not self._loops.batches_started
+        self._loops.batches_started = True
+        self._data.run_fetch_hooks()  # the engine completes that checkpoint, or sets a restored state again
+        if first and trainer.global_step != self.cf.iteration:
+            raise RuntimeError(f"ray_checkfreq: Lightning resumed at global_step {trainer.global_step}, the "
+                               f"checkpoint at iteration {self.cf.iteration}")
 
     def _step_to(self, global_step: int) -> None:
         """One ``cf.step()`` per optimizer step since the last (a batch that only
@@ -254,33 +292,10 @@ class CheckFreqLightningCallback(loops.pl.Callback):
             loops.unwrap_train_source(trainer)
 
 
-def _capture(optimizer: Any, extra: Mapping[str, Any]) -> _Restored:
-    from ray_checkfreq.engine.seams import local_rng_state
-
-    loop_state = extra[_LOOPS_KEY].loaded
-    assert loop_state is not None
-    return _Restored(rng=local_rng_state(),
-                     extra={name: copy.deepcopy(obj.state_dict()) for name, obj in extra.items() if name != _LOOPS_KEY},
-                     groups=_groups(optimizer), loops=loop_state)
-
-
-def _apply(restored: _Restored, trainer: Any, cf: Any) -> None:
-    from ray_checkfreq.engine.seams import set_local_rng_state
-
-    loops.settle_after_restart(trainer, restored.loops)
-    if trainer.global_step != cf.iteration:
-        raise RuntimeError(f"ray_checkfreq: Lightning resumed at global_step {trainer.global_step}, the checkpoint "
-                           f"at iteration {cf.iteration}")
-    set_local_rng_state(restored.rng)
-    for name, state in restored.extra.items():
-        cf.extra_state[name].load_state_dict(copy.deepcopy(state))
-    optimizer = unwrap_optimizer(trainer.optimizers[0])
-    for group, saved in zip(optimizer.param_groups, restored.groups):
-        group.update(copy.deepcopy(saved))
-
-
-def _groups(optimizer: Any) -> list[dict]:
-    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+def _announce_resume(iteration: int, data: ResumableTrainData) -> None:
+    inner = data.inner
+    announce(f"ray_checkfreq: CheckFreqLightningCallback resumed at step {iteration} (epoch {inner.epoch}, batch "
+             f"{inner.consumed // inner.sharding.global_batch} of it)", logger)
 
 
 def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

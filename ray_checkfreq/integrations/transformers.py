@@ -27,7 +27,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ray_checkfreq.data import TorchLoaderOptions, resumable
 from ray_checkfreq.integrations import _transformers_loop as loop
-from ray_checkfreq.integrations._common import in_ray_train, open_checkfreq, unwrap_optimizer
+from ray_checkfreq.integrations._common import announce, in_ray_train, open_checkfreq, unwrap_optimizer
 
 logger = logging.getLogger("ray_checkfreq.integrations")
 
@@ -87,22 +87,30 @@ class CheckFreqTrainerCallback(TrainerCallback):
                 "(trainer.add_callback() after that is too late: the callback sets up the Trainer's data)")
         trainer = self.trainer
         model = kwargs["model"]
+        progress = loop.TrainerProgress(trainer, self._data)  # before the restore: the schedule as built
         self.checkfreq = open_checkfreq(
             model=_unwrapped(model), optimizer=unwrap_optimizer(trainer.optimizer), data=self._data,
-            extra_state={"lr_scheduler": trainer.lr_scheduler, "trainer": loop.TrainerProgress(trainer)},
+            extra_state={"lr_scheduler": trainer.lr_scheduler, "trainer": progress},
             storage=self.storage, options=self.options)
         start = self.checkfreq.restore()
         if start > 0:
-            self._resume_at(start)
+            self._resume_at(start, progress.moved)
 
-    def _resume_at(self, start: int) -> None:
-        data, state = self._data, self.trainer.state
-        if state.global_step != start:
-            raise RuntimeError(f"ray_checkfreq restored iteration {start} but the Trainer's global step "
-                               f"{state.global_step}: a checkpoint of another run in this storage?")
+    def _resume_at(self, start: int, moved: loop.WorldChange | None) -> None:
+        data, state, args = self._data, self.trainer.state, self.trainer.args
+        where = loop.step_at(data, args.gradient_accumulation_steps, data.epoch, data.consumed)
+        if isinstance(where, str) or state.global_step != where[0]:
+            raise RuntimeError(f"ray_checkfreq restored iteration {start} with the Trainer at global step "
+                               f"{state.global_step}, but its data position says otherwise ({where}): a checkpoint "
+                               "of another run in this storage?")
         self.resume_point.set(epoch=data.epoch, batches_done=data.consumed // data.sharding.global_batch)
-        logger.info("ray_checkfreq: resumed at step %d (epoch %d, batch %d of it)", start, data.epoch,
-                    self.resume_point.batches_done)
+        line = (f"ray_checkfreq: CheckFreqTrainerCallback resumed at step {state.global_step} of "
+                f"{state.max_steps} (epoch {data.epoch}, batch {self.resume_point.batches_done} of it; "
+                f"iteration {start})")
+        if moved is not None:
+            line += (f"; the checkpoint was written by {moved.saved_world} workers at step {moved.saved_step}, "
+                     f"and on {moved.world} the schedule continues at step {moved.step} (lr {moved.lr:.6g})")
+        announce(line, logger)
 
     # ------------------------------------------------------------- steps
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
