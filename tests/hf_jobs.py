@@ -53,7 +53,8 @@ def tiny_gpt2() -> torch.nn.Module:
 
 
 def build_trainer(*, work_dir: str, rank: int, storage: str | None, crash_at: int | None = None,
-                  stop_at: int | None = None, every: int = 2, gradient_accumulation: int = 2, ray_reporting: bool = False) -> Any:
+                  stop_at: int | None = None, every: int = 2, gradient_accumulation: int = 2,
+                  ray_reporting: bool = False) -> Any:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ray_checkfreq.integrations.transformers import CheckFreqTrainerCallback

@@ -120,7 +120,8 @@ class Kill(pl.Callback):
 
 def train_ray(config: dict) -> None:
     """Ray's Lightning guide plus the callback: 2 ranks of 8 samples per batch over 160
-    samples, 10 steps an epoch, 4 epochs."""
+    samples, 10 steps an epoch, 4 epochs (``max_epochs`` in the config); checkpoints in the
+    run's storage, or in ``storage`` where the config gives one."""
     import ray.train
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
 
@@ -128,9 +129,10 @@ def train_ray(config: dict) -> None:
 
     work_dir = config["work_dir"]
     rank = ray.train.get_context().get_world_rank()
-    checkfreq = CheckFreqLightningCallback(every=3)
+    checkfreq = CheckFreqLightningCallback(storage=config.get("storage"), every=3)
     recorder = Recorder(os.path.join(work_dir, f"log-{rank}.jsonl"), checkfreq)
-    trainer = pl.Trainer(max_epochs=4, devices="auto", accelerator="cpu", strategy=RayDDPStrategy(),
+    trainer = pl.Trainer(max_epochs=config.get("max_epochs", 4), devices="auto", accelerator="cpu",
+                         strategy=RayDDPStrategy(),
                          plugins=[RayLightningEnvironment()], val_check_interval=0.5, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[RayTrainReportCallback(), checkfreq, recorder,

@@ -86,12 +86,17 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("every, crash_at, resumes_at, where", SCENARIOS)
-def test_resume_is_exact(tmp_path, uninterrupted, every, crash_at, resumes_at, where):
+def test_resume_is_exact(tmp_path, uninterrupted, every, crash_at, resumes_at, where, capsys):
     full, full_state = uninterrupted[every]
     _, first, _, _, crashed = run(tmp_path, every=every, crash_at=crash_at)
     assert crashed
+    capsys.readouterr()
     checkfreq, second, module, trainer, crashed = run(tmp_path, every=every)
     assert not crashed and checkfreq.restored_iteration == resumes_at, where
+    # A plain script shows that it resumed (one line; INFO logs it does not show).
+    epoch, batch = divmod(resumes_at, STEPS_PER_EPOCH)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("ray_checkfreq:")] == \
+        [f"ray_checkfreq: CheckFreqLightningCallback resumed at step {resumes_at} (epoch {epoch}, batch {batch} of it)"]
 
     # (a) the resumed attempt starts at the checkpoint's iteration, at the batch the full run had there
     assert second.batches[0][0] == resumes_at
@@ -181,7 +186,7 @@ def _lines(work_dir: str, rank: int) -> list[dict]:
         return [json.loads(line) for line in lines]
 
 
-def _ray_run(tmp_path, name: str, **config) -> tuple[Any, str]:
+def _ray_run(tmp_path, name: str, *, workers: int = 2, raise_errors: bool = True, **config) -> tuple[Any, str]:
     import lightning_jobs
     from conftest import RUN_TIMEOUT_S, TRAIN_RESOURCE
 
@@ -191,9 +196,9 @@ def _ray_run(tmp_path, name: str, **config) -> tuple[Any, str]:
     os.makedirs(work_dir)
     job = TrainJob(train=lightning_jobs.train_ray, config={"work_dir": work_dir, **config},
                    name=f"lightning-{name}-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "results"),
-                   workers=2, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, max_failures=2,
-                   timeout_s=RUN_TIMEOUT_S)
-    return fit_job(job), work_dir
+                   workers=workers, resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1},
+                   max_failures=2 if raise_errors else 0, timeout_s=RUN_TIMEOUT_S)
+    return fit_job(job, raise_errors=raise_errors), work_dir
 
 
 @pytest.mark.chaos
@@ -201,11 +206,19 @@ def test_ray_train_sigkill_resumes_exactly(tmp_path, ray_session):
     """TorchTrainer, 2 workers, RayDDPStrategy + RayLightningEnvironment + prepare_trainer,
     RayTrainReportCallback beside ours and Ray's get_checkpoint() resume: rank 1 is SIGKILLed
     after step 17 (mid-epoch, a validation at step 15); the restarted group resumes at the
-    iteration its checkpoint says and ends bit-identical to an uninterrupted run."""
+    iteration its checkpoint says and ends bit-identical to an uninterrupted run.
+
+    Then a run on 1 worker restarts from the uninterrupted run's storage (the issue: from 2
+    workers on 1, the run went on silently with Lightning's per-rank counters of 2 workers,
+    the lr jumped and the validations moved): refused at restore, by name."""
+    from ray_checkfreq import CheckpointStore
+
+    storage = str(tmp_path / "full-store")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        full, full_dir = _ray_run(tmp_path, "full")
+        full, full_dir = _ray_run(tmp_path, "full", storage=storage)
         killed, killed_dir = _ray_run(tmp_path, "killed", kill_at=17)
+        refused, one_dir = _ray_run(tmp_path, "one", workers=1, raise_errors=False, storage=storage)
     assert os.path.exists(os.path.join(killed_dir, "killed"))
     for rank in (0, 1):
         lines = _lines(killed_dir, rank)
@@ -220,3 +233,7 @@ def test_ray_train_sigkill_resumes_exactly(tmp_path, ray_session):
     assert_identical(torch.load(os.path.join(killed_dir, "final.pt"), weights_only=True),
                      torch.load(os.path.join(full_dir, "final.pt"), weights_only=True))
     assert "val_loss" in killed.metrics and "val_loss" in full.metrics
+    assert CheckpointStore(storage).latest().step == 40
+    assert isinstance(refused, Exception)
+    assert "CheckFreqLightningCallback" in str(refused) and "written by 2 workers and this run has 1" in str(refused)
+    assert not os.path.exists(os.path.join(one_dir, "log-0.jsonl"))  # refused at restore: training never began

@@ -76,14 +76,20 @@ def reference(tmp_path_factory) -> tuple[str, dict]:
     return work_dir, run_in_process(work_dir, os.path.join(work_dir, "store"))
 
 
-def test_a_sigkilled_trainer_resumes_bit_identical_at_its_checkpoint(reference, tmp_path):
+def test_a_sigkilled_trainer_resumes_bit_identical_at_its_checkpoint(reference, tmp_path, capsys):
     reference_dir, expected = reference
     work_dir, storage = str(tmp_path), str(tmp_path / "store")
     assert crash_in_a_process(work_dir, storage, crash_at=13) == -9  # SIGKILL, after step 13 (epoch 2 of 3)
     checkpoint = CheckpointStore(storage).latest()
     assert checkpoint is not None and 0 < checkpoint.step <= 13
 
+    capsys.readouterr()
     resumed = run_in_process(work_dir, storage)
+    # A plain script shows that it resumed (INFO logs it does not show).
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("ray_checkfreq:")] == \
+        [f"ray_checkfreq: CheckFreqTrainerCallback resumed at step {checkpoint.step} of {3 * STEPS_PER_EPOCH} "
+         f"(epoch {checkpoint.step // STEPS_PER_EPOCH}, "
+         f"batch {batches_before_step(checkpoint.step) % BATCHES_PER_EPOCH} of it; iteration {checkpoint.step})"]
 
     assert_same_state(expected, resumed)
     first, second = attempts(work_dir)
