@@ -20,7 +20,10 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # The package itself is installed on every node (setup_commands of the launcher config,
 # or the image on KubeRay); the working dir only carries the entrypoint. Credentials come
 # from the nodes' instance profile, never from this environment.
-RUNTIME_ENV="{\"env_vars\": {\"AWS_REGION\": \"${AWS_REGION}\", \"AWS_DEFAULT_REGION\": \"${AWS_REGION}\", \"PYTHONUNBUFFERED\": \"1\"}}"
+# RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray Train (2.60) sends a training function's print() both
+# to its logger and, since a Ray worker's sys.stdout is not sys.__stdout__, to stdout too:
+# every printed line would reach the job's log twice.
+RUNTIME_ENV="{\"env_vars\": {\"AWS_REGION\": \"${AWS_REGION}\", \"AWS_DEFAULT_REGION\": \"${AWS_REGION}\", \"PYTHONUNBUFFERED\": \"1\", \"RAY_TRAIN_ENABLE_PRINT_PATCH\": \"0\"}}"
 
 exec ray job submit \
   --address "$RAY_ADDRESS" \

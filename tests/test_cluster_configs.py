@@ -280,6 +280,7 @@ def test_submit_script_runs_ray_job_submit_with_the_entrypoint(tmp_path: Path) -
     assert args[args.index("--address") + 1] == "http://127.0.0.1:8265"
     runtime_env = json.loads(args[args.index("--runtime-env-json") + 1])
     assert runtime_env["env_vars"]["AWS_REGION"] == "eu-west-1"
+    assert runtime_env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"  # each printed line once
     entrypoint = args[args.index("--") + 1:]
     assert entrypoint == ["python", "train_spot.py", "--storage-path", "s3://bucket/runs", "--name", "r1",
                           "--workers", "2-4"]

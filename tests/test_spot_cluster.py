@@ -155,8 +155,12 @@ def spot_e2e(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         if timeline is not None:
             timeline.stop()
+        running = cluster_processes(cluster)
         stopped = down(str(directory))
-    assert stopped and marked_pids(cluster.cluster_id) == []
+    # Every process of every node, the unmarked ones too (Ray's agents hide the marker).
+    assert running and set(running) <= set(stopped), (running, stopped)
+    assert not [pid for pid in running if _running(pid)], [_command(pid) for pid in running if _running(pid)]
+    assert cluster_processes(cluster) == [] and marked_pids(cluster.cluster_id) == []
     assert not Path(cluster.temp_dir).exists()
     first, after_notice, after_loss = trained_from
     assert first.detail["iteration"] == 0, timeline.events
@@ -202,6 +206,29 @@ def preempt_twice(cluster: SpotCluster, timeline: Timeline, job: subprocess.Pope
     return first, timeline.of("attempt", noticed)[0], timeline.of("attempt", lost)[0]
 
 
+def cluster_processes(cluster: SpotCluster) -> list[int]:
+    """Every process of the cluster as this test finds them (not ``down``'s own search): its
+    marker in the environment, or its working directory or a file in the cluster's temp
+    directory, where every node keeps its logs."""
+    return sorted(set(marked_pids(cluster.cluster_id)) | {
+        int(pid) for pid in os.listdir("/proc")
+        if pid.isdigit() and int(pid) != os.getpid() and _open_in(int(pid), Path(cluster.temp_dir))})
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return f"{pid}: gone"
+
+
 def test_down_refuses_a_directory_without_a_cluster(tmp_path):
     with pytest.raises(FileNotFoundError, match="no local spot cluster was started with this directory"):
         down(str(tmp_path))
@@ -229,3 +256,85 @@ def test_preempt_refuses_a_node_that_is_not_an_alive_spot_node(tmp_path, monkeyp
     monkeypatch.setattr(cluster_cli, "spot_nodes", lambda _: [])
     with pytest.raises(SystemExit, match="no spot node is alive"):
         main(["cluster", "preempt", "--dir", str(tmp_path)])
+
+
+def _sleeper(*, env: dict, cwd: str | Path | None = None, open_file: str | Path | None = None) -> subprocess.Popen:
+    """A process that sleeps, with ``env`` as its whole environment, optionally holding ``open_file``."""
+    code = (f"f = open({str(open_file)!r}, 'a')\n" if open_file else "") + "import time; time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd)
+
+
+def test_down_stops_the_cluster_processes_that_carry_no_marker_and_nothing_else(tmp_path):
+    """Ray's agents rename themselves, which hides the marker in their environment: ``down``
+    also stops every process with a file or its working directory in the cluster's temp
+    directory, and their children, but neither a bystander nor its caller."""
+    temp = tmp_path / "rcf-spot-c0ffee01"
+    (temp / "node-00001" / "logs").mkdir(parents=True)
+    cluster = SpotCluster(directory=str(tmp_path), cluster_id="c0ffee01", gcs_address="127.0.0.1:1",
+                          dashboard_url="http://127.0.0.1:1", s3_endpoint="http://127.0.0.1:2",
+                          imds_url="http://127.0.0.1:3", token_path=str(tmp_path / "token"), temp_dir=str(temp))
+    cluster.save()
+    bare = {"PATH": os.environ["PATH"]}  # no marker
+    marked = _sleeper(env={**bare, "RCF_SPOT_CLUSTER": "c0ffee01"})
+    child_of_marked = subprocess.Popen(["bash", "-c", f"env -i {sys.executable} -c 'import time; time.sleep(120)' & "
+                                        "wait"], env={**bare, "RCF_SPOT_CLUSTER": "c0ffee01"})
+    agent = _sleeper(env=bare, open_file=temp / "node-00001" / "logs" / "dashboard_agent.log")
+    worker = _sleeper(env=bare, cwd=temp / "node-00001")
+    bystander = _sleeper(env={**bare, "RCF_SPOT_CLUSTER": "another"}, cwd=tmp_path)
+    ours = open(temp / "node-00001" / "logs" / "tail.log", "a")  # the caller: never stopped
+    try:
+        children = Path(f"/proc/{child_of_marked.pid}/task/{child_of_marked.pid}/children")
+        wait_until(lambda: _open_in(agent.pid, temp) and _open_in(worker.pid, temp) and children.read_text().split(),
+                   30, "the sleepers started")
+        grandchild = [int(pid) for pid in children.read_text().split()]
+        stopped = down(str(tmp_path), grace_s=2.0)
+        for process in (marked, child_of_marked, agent, worker):
+            assert process.wait(timeout=10) is not None
+        assert {marked.pid, child_of_marked.pid, agent.pid, worker.pid, *grandchild} <= set(stopped)
+        assert not Path(f"/proc/{grandchild[0]}").exists() or "zombie" in Path(f"/proc/{grandchild[0]}/status") \
+            .read_text()
+        assert bystander.poll() is None and bystander.pid not in stopped
+        assert not temp.exists() and not (tmp_path / "cluster.json").exists()
+    finally:
+        ours.close()
+        for process in (marked, child_of_marked, agent, worker, bystander):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _open_in(pid: int, directory: Path) -> bool:
+    """``pid`` has its working directory or a file in ``directory``."""
+    try:
+        links = [os.readlink(f"/proc/{pid}/cwd")] + [os.readlink(f"/proc/{pid}/fd/{fd}")
+                                                      for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    return any(link.startswith(str(directory)) for link in links)
+
+
+LEASE_S = 3.0
+
+
+def test_a_stopped_jobs_node_agent_serves_a_resubmit_within_its_lease_then_ends_with_its_slots(ray_session):
+    """After ``ray job stop`` (no controller hook runs) the run's node agent keeps its RAM
+    slots for a resubmit under the same name, which renews the lease; once nobody renews it
+    for ``agent_lease_s`` the agent removes its slot files and exits."""
+    from ray_checkfreq.ray.agent import get_or_create_agent, live_agents
+
+    ray = ray_session
+    run, node = f"ttl-{uuid.uuid4().hex[:6]}", ray.get_runtime_context().get_node_id()
+    agent = get_or_create_agent(run, node, lease_s=LEASE_S)
+    paths = ray.get(agent.allocate.remote(4096, 4096))
+    incarnation = ray.get(agent.info.remote())["incarnation"]
+    assert all(os.path.exists(path) for path in paths)
+    created = time.monotonic()
+    time.sleep(LEASE_S * 0.6)  # the job was stopped: no rank renews
+    again = get_or_create_agent(run, node, lease_s=LEASE_S)  # the resubmit, as a rank sets up
+    ray.get(again.renew.remote())
+    time.sleep(max(0.0, created + LEASE_S * 1.3 - time.monotonic()))  # past the first lease, within the renewed one
+    assert ray.get(again.info.remote())["incarnation"] == incarnation  # the same agent: its slots are there
+    assert [header["path"] for header in ray.get(again.slot_headers.remote())] == paths
+    ended_s = wait_until(lambda: not live_agents(run), LEASE_S * 3, "the agent ended after its lease")
+    assert not [path for path in paths if os.path.exists(path)]
+    print(f"agent ended {ended_s:.1f} s after the check (lease {LEASE_S} s)")

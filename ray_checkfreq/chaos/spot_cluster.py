@@ -6,19 +6,25 @@
     ray-checkfreq cluster down --dir /tmp/spot
 
 What ``up`` starts, every process with the cluster's marker (``RCF_SPOT_CLUSTER=<id>``) in
-its environment, so that ``down`` stops exactly these (never ``ray stop``, which stops every
-Ray on the machine):
+its environment or a file in its temp directory (``cluster_pids``), so that ``down`` stops
+exactly these (never ``ray stop``, which stops every Ray on the machine):
 
 - a Ray head with no resources for training, the Jobs API and dashboard on 127.0.0.1, and
   Ray's token authentication with a token file of the cluster's own;
 - Ray's autoscaler (v1) with one worker type ``spot`` (min 0, max ``max_workers``), through
   ``SpotNodeProvider`` (``chaos/spot_provider.py``): nodes are local raylets that may vanish
-  like spot VMs, each with the spot-notice watcher beside it;
+  like spot VMs, each with a temp directory of its own (``node_temp_dir``) and the
+  spot-notice watcher beside it;
 - an S3 server (moto) with the bucket ``rcf-spot``, and the IMDSv2 stand-in
   (``chaos/imds.py``) the watchers read (``spot_services.py``).
 
 ``kill_node`` takes a node away without notice (its raylet, agents and workers, SIGKILL);
 ``announce`` gives one the EC2 notice.
+
+Ray's agents and workers rename themselves (``ray::DashboardAgent``), which overwrites the
+environment that /proc shows: the marker cannot be read there. Every process of a node has
+its working directory or a file (its logs) in the node's temp directory, so that is how
+``cluster_pids`` and ``kill_node`` find them.
 """
 
 from __future__ import annotations
@@ -129,6 +135,9 @@ def up(config: SpotClusterConfig) -> SpotCluster:
     env = {**os.environ, **cluster.client_env(), MARKER: cluster_id, "RAY_FAKE_CLUSTER": "1",
            "AUTOSCALER_UPDATE_INTERVAL_S": "1", "PATH": path, **NODE_DEATH_DETECTION}
     env.pop("RAY_ADDRESS")  # the head's own `ray start` must not join another cluster
+    # Ray's state API client inside the cluster (Ray Train's PlacementGroupCleaner) otherwise
+    # guesses the cluster from the raylets on this machine and fails where there are several.
+    env["RAY_API_SERVER_ADDRESS"] = cluster.dashboard_url
     try:
         _start_services(cluster, env, s3_port=s3_port, imds_port=imds_port, timeout_s=config.start_timeout_s)
         autoscaling = directory / "autoscaling.json"
@@ -157,7 +166,8 @@ def autoscaling_config(cluster: SpotCluster, config: SpotClusterConfig) -> dict[
         "provider": {"type": "external", "module": "ray_checkfreq.chaos.spot_provider.SpotNodeProvider",
                      "gcs_address": cluster.gcs_address, "use_node_id_as_ip": True,
                      "disable_node_updaters": True, "disable_launch_config_check": True, "launch_multiple": True,
-                     "watcher": str(WATCHER), "imds_url": cluster.imds_url, "log_dir": cluster.directory},
+                     "watcher": str(WATCHER), "imds_url": cluster.imds_url, "log_dir": cluster.directory,
+                     "temp_root": cluster.temp_dir},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
             WORKER_TYPE: {"resources": {"CPU": config.cpus_per_node, WORKER_TYPE: 1,
@@ -173,27 +183,39 @@ def autoscaling_config(cluster: SpotCluster, config: SpotClusterConfig) -> dict[
 
 
 def down(directory: str, *, grace_s: float = 5.0) -> list[int]:
-    """Stop every process of the cluster started in ``directory`` (its marker), remove its
-    temporary directory and state file; returns the pids it stopped."""
+    """Stop every process of the cluster started in ``directory`` (``cluster_pids``), remove
+    its temporary directory, the RAM slot files its killed node agents left, and its state
+    file; returns the pids it stopped."""
+    from ray_checkfreq.ray.names import SLOT_PREFIX
+    from ray_checkfreq.ray.slots import sweep_leftovers
+
     cluster = SpotCluster.load(directory)
-    pids = marked_pids(cluster.cluster_id)
-    _signal_all(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.2)
-    _signal_all(marked_pids(cluster.cluster_id), signal.SIGKILL)
+    pids = cluster_pids(cluster)
+    signal_all(pids, signal.SIGTERM)
+    _wait_gone(pids, grace_s)
+    left = cluster_pids(cluster)  # and any started meanwhile
+    signal_all(left, signal.SIGKILL)
+    _wait_gone(left, grace_s)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    # Every node shares this machine's /dev/shm (a VM's would go with it).
+    sweep_leftovers("/dev/shm", SLOT_PREFIX)
     Path(directory, STATE_FILE).unlink(missing_ok=True)
-    return pids
+    return sorted(set(pids) | set(left))
 
 
 def kill_node(cluster: SpotCluster, node_id: str) -> list[int]:
-    """A spot VM reclaimed without notice: SIGKILL the node's raylet and agents (they carry its
-    id) and the workers Ray lists on it; returns the pids."""
+    """A spot VM reclaimed without notice: SIGKILL the node's raylet, agents and workers (they
+    carry its id, or have files in its temp directory, or Ray lists them on it); returns the pids."""
     workers = {int(w["pid"]) for w in state_api(cluster, "workers") if w.get("node_id") == node_id and w.get("pid")}
-    pids = sorted(workers | set(_pids_with("RAY_OVERRIDE_NODE_ID_FOR_TESTING", node_id)))
-    _signal_all(pids, signal.SIGKILL)
+    pids = sorted(workers | set(_pids_with("RAY_OVERRIDE_NODE_ID_FOR_TESTING", node_id))
+                  | set(pids_using(node_temp_dir(cluster.temp_dir, node_id))))
+    signal_all(pids, signal.SIGKILL)
     return pids
+
+
+def node_temp_dir(temp_root: str, node_id: str) -> str:
+    """A spot node's own temp directory, inside the cluster's (short: Ray's socket paths must fit)."""
+    return os.path.join(temp_root, f"node-{node_id[-5:]}")
 
 
 def spot_nodes(cluster: SpotCluster) -> list[str]:
@@ -227,28 +249,89 @@ def marked_pids(cluster_id: str) -> list[int]:
     return [pid for pid in _pids_with(MARKER, cluster_id) if pid != os.getpid()]
 
 
-# ------------------------------------------------------------------ internals
-def _pids_with(name: str, value: str) -> list[int]:
-    wanted = f"{name}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path("/proc", entry, "environ").read_bytes()
-        except OSError:  # gone, or not ours to read
-            continue
-        if wanted in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
+def cluster_pids(cluster: SpotCluster) -> list[int]:
+    """Every process of the cluster: those with its marker in their environment or a file in
+    its temp directory (every node's is inside it), and their descendants; never this
+    process or one of its ancestors."""
+    parents = _parents()
+    found = set(marked_pids(cluster.cluster_id)) | set(pids_using(cluster.temp_dir))
+    found |= {pid for pid in parents if _ancestors(pid, parents) & found}
+    return sorted(found - _ancestors(os.getpid(), parents) - {os.getpid()})
 
 
-def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+def pids_using(path: str) -> list[int]:
+    """The processes (not this one) whose working directory or an open file is ``path`` or under it."""
+    root = os.path.realpath(path)
+    inside = root.rstrip("/") + "/"
+    return [pid for pid in _all_pids() if pid != os.getpid()
+            and any(link == root or link.startswith(inside) for link in _links(pid))]
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+# ------------------------------------------------------------------ internals
+def _all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _pids_with(name: str, value: str) -> list[int]:
+    wanted = f"{name}={value}".encode()
+    found = []
+    for pid in _all_pids():
+        try:
+            environ = Path("/proc", str(pid), "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if wanted in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def _links(pid: int) -> list[str]:
+    """The working directory and open files of ``pid`` (what it lets us read of them)."""
+    base = f"/proc/{pid}"
+    try:
+        names = ["cwd", *(f"fd/{fd}" for fd in os.listdir(f"{base}/fd"))]
+    except OSError:  # gone, or not ours to read
+        return []
+    links = []
+    for name in names:
+        try:
+            links.append(os.readlink(f"{base}/{name}"))
+        except OSError:  # closed meanwhile
+            continue
+    return links
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process."""
+    parents = {}
+    for pid in _all_pids():
+        try:
+            stat = Path("/proc", str(pid), "stat").read_text()
+        except OSError:
+            continue
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])  # after the name, which may hold spaces
+    return parents
+
+
+def _ancestors(pid: int, parents: dict[int, int]) -> set[int]:
+    found: set[int] = set()
+    while (pid := parents.get(pid, 0)) > 1 and pid not in found:
+        found.add(pid)
+    return found
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:
