@@ -175,7 +175,7 @@ TIERS = {
         "test_store_direct.py", "test_store_local.py", "test_store_protected.py", "test_ray_agent.py",
         "test_ray_restart.py", "test_slots.py", "test_chaos_units.py", "test_shard_copies.py", "test_snapshot_plan.py",
         "test_canonical_json.py", "test_commit_protocol.py", "test_sharded_deltas.py", "test_legacy_formats.py",
-        "test_chaos_trace.py", "test_spot_watcher.py", "test_spot_timeline.py",
+        "test_chaos_trace.py", "test_spot_watcher.py", "test_spot_timeline.py", "test_notice_sim.py",
     ),
     "integration": (
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",

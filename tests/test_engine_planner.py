@@ -105,7 +105,8 @@ def test_profiling_measures_a_cold_then_three_warm_checkpoints_then_plans_every_
     assert p.profile.persist_s == pytest.approx(0.95) and p.profile.interference_s == pytest.approx(0.1)
     after = [i for i in loop.checkpoints() if i > 68]
     assert after[0] == 68 + 29 and {b - a for a, b in zip(after, after[1:])} == {29}
-    assert p.stats.checkpoints_by_cause == {"interval": len(after), "epoch_end": 0, "profiling": 4, "stop": 0}
+    assert p.stats.checkpoints_by_cause == {"interval": len(after), "epoch_end": 0, "profiling": 4, "notice": 0,
+                                            "stop": 0}
     assert p.stats.k_history == [{"iteration": 79, "k": 29, "reason": "profile"}]
     assert p.take_new_profile() == p.profile and p.take_new_profile() is None, "handed out once, to be cached"
 
@@ -138,7 +139,8 @@ def test_an_epoch_end_during_profiling_is_a_checkpoint_with_the_codec_being_meas
     loop = Loop(planner(profile_iters=10, epoch_len=15)).run(16)
     assert loop.checkpoints() == [11, 15]
     assert loop.actions[-1].epoch_boundary and loop.actions[-1].codec == "raw"
-    assert loop.planner.stats.checkpoints_by_cause == {"interval": 0, "epoch_end": 1, "profiling": 1, "stop": 0}
+    assert loop.planner.stats.checkpoints_by_cause == {"interval": 0, "epoch_end": 1, "profiling": 1, "notice": 0,
+                                                       "stop": 0}
 
 
 def adopted(**config) -> Planner:
@@ -228,3 +230,14 @@ def test_the_compression_trial_waits_for_the_persist_only_when_its_checkpoint_is
     decided = Planner(CheckFreqConfig(every=5), stats=EngineStats(), forced_codec="raw")
     decided.begin(0)
     assert not decided.needs_settled_persist(5, now=5), "nothing to measure"
+
+
+def test_a_requested_checkpoint_is_taken_once_out_of_turn_and_the_interval_counts_on_from_it():
+    loop = Loop(planner(every=10), persist_iters=1, lookahead=1)
+    loop.run(13)
+    loop.planner.request_checkpoint(15)  # a preemption notice's: the next iteration it can plan
+    loop.run(25)
+    assert loop.checkpoints() == [10, 15, 25, 35]
+    assert loop.planner.stats.checkpoints_by_cause["notice"] == 1
+    with pytest.raises(ValueError, match="at=-1"):
+        loop.planner.request_checkpoint(-1)

@@ -150,9 +150,9 @@ def test_the_stop_iteration_leaves_the_margin_before_the_deadline():
     from ray_checkfreq.ray.preemption import Notice, stop_iteration
 
     notice = Notice(node_id="a", deadline_s=100.0, seen_s=50.0)
-    # 100 - (1.5 * 4 + 2 * 0.5 + 0.5) = 92.5 is the last safe moment: 85 iterations of 0.5 s from 50.
+    # 100 - (2 * 4 + 2 * 0.5 + 0.5) = 90.5 is the last safe moment: 81 iterations of 0.5 s from 50.
     at = stop_iteration(now_s=50.0, notice=notice, iteration=10, iter_s=0.5, persist_s=4.0, detection_lag_s=0.5)
-    assert at == 10 + 85
+    assert at == 10 + 81
     late = stop_iteration(now_s=99.0, notice=notice, iteration=10, iter_s=0.5, persist_s=4.0, detection_lag_s=0.5)
     assert late == 10  # past the safe moment: at once
     none = Notice(node_id="a", deadline_s=None, seen_s=50.0)
@@ -172,8 +172,33 @@ def test_the_loss_after_a_notice_is_counted_once_even_when_the_stop_was_never_co
     assert lost_after_notice(planned, restored=0, generation=5) == 20  # nothing committed: from scratch
     # Not a notice of an earlier attempt: none, already counted, or written by this attempt (or a newer one).
     assert lost_after_notice(None, restored=8, generation=4) is None
-    assert lost_after_notice({**confirmed, "restored_by": 4}, restored=8, generation=5) is None
+    assert lost_after_notice({**confirmed, "settled_by": 4}, restored=8, generation=5) is None
     assert lost_after_notice(confirmed, restored=8, generation=3) is None
+
+
+def test_a_notice_is_counted_by_every_restart_until_an_attempt_after_it_commits():
+    """Seen on the local spot cluster: the attempt after a notice restored its checkpoint and
+    marked the notice counted, then ended before its first commit (resized to more workers);
+    the next attempt resumed at the same step and reported no notice at all (None)."""
+    import types
+
+    from ray_checkfreq.ray.preemption import NOTICES_NAME, notice_record
+    from ray_checkfreq.ray.restart import RestartProtocol
+
+    stored = {NOTICES_NAME: notice_record([{"node_id": "a"}], generation=3, stop_at=501, stopped_at=501)}
+    store = types.SimpleNamespace(write_metadata=stored.__setitem__, read_metadata=stored.get)
+
+    def attempt(generation: int, *, commits: bool) -> int | None:
+        protocol = RestartProtocol(rank=0, world_size=1, run="r", node_id="n", nodes=["n"], store=store,
+                                   group=None, wait_s=0.0, warn_every_s=1.0)
+        lost = protocol._count_notice_loss(store.read_metadata(NOTICES_NAME), 501, generation)
+        if commits:
+            protocol.settle_notice()
+        return lost
+
+    assert attempt(4, commits=False) == 0  # resized before its first commit
+    assert attempt(5, commits=True) == 0  # the same notice, counted again
+    assert attempt(6, commits=False) is None  # a later loss: not the notice's
 
 
 def test_the_drain_watcher_reports_only_the_runs_nodes():
@@ -269,7 +294,9 @@ def test_the_stop_moves_earlier_when_the_iterations_slow_down_after_a_notice(mon
                                                                    sleep=lambda s: None))
     notice = Notice(node_id="a", deadline_s=1010.0, seen_s=1000.0)
     watcher = types.SimpleNamespace(notice=None, close=lambda: None)
-    engine = types.SimpleNamespace(iteration=0, stop_at=None, stats=lambda: {"last_persist_s": 0.1})
+    requested: list[int] = []
+    engine = types.SimpleNamespace(iteration=0, stop_at=None, request_checkpoint=requested.append,
+                                   stats=lambda: {"slowest_recent_persist_s": 0.1, "last_persisted_step": None})
     store = types.SimpleNamespace(write_metadata=lambda name, record: None)
     handling = Preemption(rank=0, store=store, watcher=watcher, detection_lag_s=0.5, generation=lambda: 1)
 
@@ -285,6 +312,7 @@ def test_the_stop_moves_earlier_when_the_iterations_slow_down_after_a_notice(mon
     iterate(0.01)
     first_plan = engine.stop_at
     assert first_plan > engine.iteration + 700  # ~9.3 s of 10 ms iterations
+    assert requested == [engine.iteration + 2]  # the notice's own checkpoint: the next one planned
     while engine.iteration + 1 < engine.stop_at:  # then 30 ms iterations until the planned stop
         iterate(0.03)
     assert engine.stop_at < first_plan

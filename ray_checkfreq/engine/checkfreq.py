@@ -374,6 +374,13 @@ class CheckFreq:
         while self._persisted:
             self._planner.record_persist(self._persisted.popleft())
 
+    def request_checkpoint(self, at: int) -> None:
+        """Planner only: checkpoint at iteration ``at`` (or the first one planned after it),
+        once, out of turn (a preemption notice's); the interval counts on from it."""
+        if not self._decisions.is_planner:
+            raise RuntimeError("request_checkpoint() is for the rank that plans")
+        self._planner.request_checkpoint(at)
+
     def set_k(self, k: int) -> None:
         """Planner only: a k decided elsewhere (a policy shared by all ranks). The next planned
         action carries it, so every rank switches at the same iteration; the next checkpoint

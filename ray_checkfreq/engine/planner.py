@@ -95,6 +95,7 @@ class Planner:
         self._planned_k = config.every  # the k the last planned action carried
         self._next_checkpoint: int | None = None
         self._stop_planned = False
+        self._requested_at: int | None = None  # a checkpoint asked for out of turn (a notice's)
         self._profiling: _ProfilingRun | None = None
         self._last_result: PersistResult | None = None
         self._new_profile: Profile | None = None
@@ -167,6 +168,12 @@ class Planner:
             epoch_boundary, codec = self._plan_checkpoint(at, self.config.is_epoch_end(at))
             return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self.k,
                           stop=True)
+        if self._requested_at is not None and at >= self._requested_at:
+            self._requested_at = None
+            self.stats.count_checkpoint("notice")
+            self._planned_k = self.k
+            epoch_boundary, codec = self._plan_checkpoint(at, self.config.is_epoch_end(at))
+            return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self.k)
         checkpoint = self._advance_profiling(at) if self._profiling is not None else self._plan_due(at)
         if checkpoint is None and self.k == self._planned_k:
             return None
@@ -175,6 +182,13 @@ class Planner:
             return Action(iteration=at, k=self.k)
         epoch_boundary, codec = checkpoint
         return Action(iteration=at, checkpoint=True, epoch_boundary=epoch_boundary, codec=codec, k=self.k)
+
+    def request_checkpoint(self, at: int) -> None:
+        """Checkpoint at iteration ``at`` (or the first one planned after it), once, whatever
+        the interval says; the interval then counts from it."""
+        if at < 0:
+            raise ValueError(f"at={at!r}: must be >= 0")
+        self._requested_at = at if self._requested_at is None else min(self._requested_at, at)
 
     def needs_settled_persist(self, at: int, *, now: int, stop_at: int | None = None) -> bool:
         """Whether planning ``at`` runs the compression trial on a checkpoint applied in this

@@ -15,7 +15,10 @@ from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.policy import Decision, Profile, interval_overhead
 
 # Why the planner asked for a checkpoint: its k, an epoch end, profiling's measurements, a stop.
-CHECKPOINT_CAUSES = ("interval", "epoch_end", "profiling", "stop")
+# How many of the newest persists "recent" means: a preemption notice plans its stop from the
+# slowest of them (one late persist must not lose the iterations trained after the notice).
+RECENT_PERSISTS = 8
+CHECKPOINT_CAUSES = ("interval", "epoch_end", "profiling", "notice", "stop")
 
 
 @dataclass
@@ -36,6 +39,8 @@ class EngineStats:
     raw_bytes: int = 0
     stored_bytes: int = 0
     last_persist_s: float | None = None
+    last_persisted_step: int | None = None
+    recent_persists_s: deque = field(default_factory=lambda: deque(maxlen=RECENT_PERSISTS))
     k_changes: list = field(default_factory=list)
     checkpoint_stalls: deque = field(default_factory=lambda: deque(maxlen=1024))
     run_overhead: RunOverhead = field(default_factory=RunOverhead)  # the measured overhead, since warm-up
@@ -82,6 +87,8 @@ class EngineStats:
         self.raw_bytes += result.raw_bytes
         self.stored_bytes += result.stored_bytes
         self.last_persist_s = result.seconds
+        self.recent_persists_s.append(result.seconds)
+        self.last_persisted_step = max(self.last_persisted_step or 0, result.step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +143,8 @@ def report(s: EngineStats, policy: PolicyNow, *, iteration: int, k_applied: int 
         "compression_ratio": (s.stored_bytes / s.raw_bytes) if s.raw_bytes else None,
         "compress": policy.compresses(),
         "last_persist_s": s.last_persist_s,
+        "last_persisted_step": s.last_persisted_step,
+        "slowest_recent_persist_s": max(s.recent_persists_s) if s.recent_persists_s else None,
         "k_changes": list(s.k_changes),
         "expected_lost_s": decision.expected_lost_s if decision else None,
         "young_daly_k": decision.young_daly_k if decision else None,

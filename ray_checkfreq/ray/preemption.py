@@ -2,16 +2,25 @@
 
 Rank 0 watches the drain state of the run's nodes (``get_draining_nodes()``, the same
 source Ray Train's own watcher polls; ``get_preemption_info()`` is a collective and is not
-used). On a notice it plans one checkpoint at the last safe iteration, carrying ``stop``:
-every rank snapshots that iteration and then blocks until Ray Train tears the group down,
-so no iteration runs that the restart would lose. The snapshot is persisted by the agent
-of a node that is not draining (under DDP each node's agent holds a replica), so it
-commits even if the drained node, rank 0's included, is gone first.
+used). On a notice it plans two checkpoints:
+
+- the notice checkpoint, at the next iteration it can plan: a two-phase snapshot costs
+  milliseconds, and once it is durable a notice loses at most what is trained after it;
+- the stop checkpoint, at the last safe iteration (``stop_iteration``: the deadline less
+  twice the slowest recent persist, two iterations and the detection lag), carrying
+  ``stop``: every rank snapshots that iteration and then blocks until Ray Train tears the
+  group down. Each later iteration moves it earlier when the iterations or the persists
+  slowed down (the notice checkpoint's own persist is measured under the load of the moment).
+
+If the stop checkpoint is not durable by the deadline, the restart resumes from the notice
+checkpoint. A snapshot is persisted by the agent of a node that is not draining (under DDP
+each node's agent holds a replica), so it commits even if the drained node, rank 0's
+included, is gone first.
 
 ``Preemption`` holds these steps for one rank: the iteration clock, planning the stop on
 a notice (rank 0), the route of a persist away from a draining node, and the stop itself.
 Rank 0 records the notice in ``NOTICES_NAME`` beside the checkpoints (``restart.py``
-counts the iterations it cost).
+counts the iterations it cost, at every restart until an attempt after it commits).
 """
 
 from __future__ import annotations
@@ -38,19 +47,33 @@ class Notice:
     seen_s: float  # epoch seconds when rank 0 saw it
 
 
+# The stop checkpoint leaves this many times the slowest recent persist before the deadline.
+PERSIST_MARGIN = 2.0
+
+
 def stop_iteration(*, now_s: float, notice: Notice, iteration: int, iter_s: float, persist_s: float,
                    detection_lag_s: float) -> int:
     """The iteration to checkpoint at and stop after: the last one whose snapshot still
-    commits before the deadline, leaving 1.5x the persist time, 2 iterations and the
-    detection lag as margin; the next iteration when that moment has passed (or no deadline).
+    commits before the deadline, leaving ``PERSIST_MARGIN`` x ``persist_s`` (the slowest
+    recent persist), 2 iterations and the detection lag as margin; the next iteration when
+    that moment has passed (or no deadline).
 
     ``iteration`` is the one being planned now (the earliest possible).
     """
     if notice.deadline_s is None or iter_s <= 0:
         return iteration
-    last_safe_s = notice.deadline_s - (1.5 * persist_s + 2 * iter_s + detection_lag_s)
+    last_safe_s = notice.deadline_s - (PERSIST_MARGIN * persist_s + 2 * iter_s + detection_lag_s)
     spare = math.floor((last_safe_s - now_s) / iter_s)
     return iteration + max(0, spare)
+
+
+def two_persists_before(stop_at: int, *, iter_s: float, persist_s: float) -> int:
+    """The last iteration before ``stop_at`` whose checkpoint leaves the stop's snapshot no
+    persist to wait for (``PERSIST_MARGIN`` persists, one iteration): a notice checkpoint
+    later than that would delay the stop's, so the stop is taken at once instead."""
+    if iter_s <= 0:
+        return stop_at
+    return stop_at - math.ceil(PERSIST_MARGIN * persist_s / iter_s) - 1
 
 
 def notice_record(notices: list[dict], *, generation: int, stop_at: int, stopped_at: int | None) -> dict:
@@ -63,8 +86,10 @@ def notice_record(notices: list[dict], *, generation: int, stop_at: int, stopped
 def lost_after_notice(record: Mapping[str, Any] | None, *, restored: int, generation: int) -> int | None:
     """Iterations the previous attempt trained past ``restored`` after a notice: exact when its
     stop checkpoint was confirmed durable, else at most ``stop_at - restored`` (no rank trains
-    past the planned stop). None without a notice record that this restart has not counted."""
-    if not record or record.get("restored_by") is not None:
+    past the planned stop). None without a notice record, or once an attempt after the notice
+    has committed a checkpoint of its own (``settled_by``): the restarts before that (one that
+    died or was resized before its first commit) each count the notice again."""
+    if not record or record.get("settled_by") is not None:
         return None
     writer = record.get("generation")
     if isinstance(writer, int) and writer >= generation:  # a record of this attempt or a newer one
@@ -152,6 +177,8 @@ class Preemption:
         self.generation = generation
         self.on_notices = on_notices
         self.notices: list[dict] = []
+        self.notice_checkpoint: int | None = None  # rank 0: the iteration of the notice's own checkpoint
+        self._notice_checkpoint_s = 0.0  # when it was planned (epoch seconds)
         self._last_step_s: float | None = None
         self._iter_s = 0.0  # moving average of the iteration time
         self._last_iter_s = 0.0  # the last iteration's time
@@ -171,21 +198,39 @@ class Preemption:
         notice = self.watcher.notice if self.watcher is not None else None
         if notice is None:
             return
-        persist_s = engine.stats()["last_persist_s"] or 0.0
+        persist_s = self._persist_estimate_s(engine.stats())
         earliest = engine.iteration + 1 + lookahead  # what the next step() plans
         if engine.stop_at is not None:
             self._replan(engine, notice, earliest=earliest, persist_s=persist_s)
             return
         engine.stop_at = stop_iteration(now_s=time.time(), notice=notice, iteration=earliest, iter_s=self._iter_s,
                                         persist_s=persist_s, detection_lag_s=self.detection_lag_s)
+        if earliest < two_persists_before(engine.stop_at, iter_s=self._iter_s, persist_s=persist_s):
+            # Time to train on: keep what was trained so far at once.
+            engine.request_checkpoint(earliest)
+            self.notice_checkpoint, self._notice_checkpoint_s = earliest, time.time()
+        else:  # no room for two persists before the deadline: one checkpoint, now
+            engine.stop_at = earliest
         self.notices.append({"node_id": notice.node_id, "deadline_s": notice.deadline_s, "seen_s": notice.seen_s,
-                             "iteration": engine.stop_at})
+                             "iteration": engine.stop_at, "notice_checkpoint": self.notice_checkpoint})
         if self.on_notices is not None:
             self.on_notices(len(self.notices))
-        logger.warning("preemption notice: checkpoint at iteration %d, then stop", engine.stop_at)
+        if self.notice_checkpoint is not None:
+            logger.warning("preemption notice: checkpoint at iteration %d, and at %d before the deadline, then stop",
+                           self.notice_checkpoint, engine.stop_at)
+        else:
+            logger.warning("preemption notice: checkpoint at iteration %d, then stop", engine.stop_at)
         # Recorded now, not only at the commit: the group may be torn down before it.
         write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),
                                                       stop_at=engine.stop_at, stopped_at=None))
+
+    def _persist_estimate_s(self, stats: Mapping[str, Any]) -> float:
+        """The slowest recent persist, or the notice checkpoint's while it is still in flight
+        and already slower (it runs under the load of the moment)."""
+        slowest = stats.get("slowest_recent_persist_s") or 0.0
+        if self.notice_checkpoint is None or (stats.get("last_persisted_step") or 0) >= self.notice_checkpoint:
+            return slowest
+        return max(slowest, time.time() - self._notice_checkpoint_s)
 
     def _replan(self, engine: Any, notice: Notice, *, earliest: int, persist_s: float) -> None:
         if earliest > engine.stop_at:
@@ -196,8 +241,8 @@ class Preemption:
                                 detection_lag_s=self.detection_lag_s)
         if now_at >= engine.stop_at:
             return
-        logger.warning("preemption notice: the iterations slowed down; checkpoint at iteration %d instead of %d",
-                       now_at, engine.stop_at)
+        logger.warning("preemption notice: the iterations or persists slowed down; checkpoint at iteration %d "
+                       "instead of %d", now_at, engine.stop_at)
         engine.stop_at = now_at
         self.notices[-1]["iteration"] = now_at
         write_notice_record(self.store, notice_record(self.notices, generation=self.generation(),

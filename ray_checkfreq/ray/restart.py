@@ -118,6 +118,7 @@ class RestartProtocol:
     # A sharded (DTensor) state: every rank wrote its part of each step here (and may hold
     # its snapshots in slots of its own and peer copies: shard_copies.py).
     sharded: bool = False
+    _unsettled_notice: tuple[dict, int] | None = None  # the notice this attempt counted, until its first commit
 
     def decide(self) -> Decided:
         """Rank 0 chooses, every rank gets its choice (a collective: a broadcast)."""
@@ -244,16 +245,25 @@ class RestartProtocol:
 
     def _count_notice_loss(self, record: dict | None, restored: int, generation: int) -> int | None:
         """Iterations lost to the previous attempt's notice (None: it stopped for another
-        reason); rank 0 marks the record counted, so a later restart does not count it again."""
+        reason). The record is settled only at this attempt's first commit (``settle_notice``):
+        an attempt that ends before it (resized, or its start failed) leaves the notice for
+        the next restart to count again."""
         lost = lost_after_notice(record, restored=restored, generation=generation)
         if lost is None or record is None:
             return None
         if record.get("stopped_at") is None and self.rank == 0:
-            logger.warning("the previous attempt was stopped before its notice checkpoint (iteration %s) was "
+            logger.warning("the previous attempt was stopped before its stop checkpoint (iteration %s) was "
                            "confirmed durable: up to %d iterations are trained again", record.get("stop_at"), lost)
-        if self.rank == 0:
-            write_notice_record(self.store, {**record, "restored_by": generation})
+        self._unsettled_notice = (record, generation)
         return lost
+
+    def settle_notice(self) -> None:
+        """Rank 0, at this attempt's first commit: a later restart resumes from this attempt's
+        progress, so it does not count the previous attempt's notice again."""
+        if self.rank != 0 or self._unsettled_notice is None:
+            return
+        (record, generation), self._unsettled_notice = self._unsettled_notice, None
+        write_notice_record(self.store, {**record, "settled_by": generation})
 
 
 def wait_for_persists(live: Mapping[str, Any], *, wait_s: float, warn_every_s: float) -> None:

@@ -285,6 +285,7 @@ class CheckFreq:
             self.stale_ram_released = release_stale_copies(agents.live_agents(self.run),
                                                            generation=self._current_generation(),
                                                            rank_nodes=self.nodes)
+        self._restart.settle_notice()
         if self.sharded and self._policy is not None:  # no agent reports it
             self._policy.persisted({"step": result.step, "seconds": result.seconds,
                                     "stored_bytes": result.stored_bytes, "node_id": self.node_id})
