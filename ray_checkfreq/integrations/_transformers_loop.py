@@ -15,7 +15,8 @@ first callback that can restore. So the callback finds its Trainer when it is bu
 
 And the counters a resume must set: ``_initial_global_step`` (steps/s of this attempt),
 ``_globalstep_last_logged`` (the loss window starts at the restore, as in the Trainer's
-own resume), ``_initial_num_input_tokens_seen``.
+own resume), ``_initial_num_input_tokens_seen``; at another world size also the
+``TrainerState``'s global step and epoch, and the ``lr_scheduler`` the Trainer built.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ Trainer logs, evaluation metrics included, to ``result.metrics``.
 The Trainer's training data is iterated by ``ray_checkfreq.data.resumable`` over the
 Trainer's own dataset and collator: shuffled by ``args.data_seed`` (else ``args.seed``),
 each rank a disjoint share, every sample once per epoch across restarts.
+
+Restored at another world size, the samples already seen set the Trainer's step, epoch and
+learning-rate schedule to those of a run of the new size at that point (its schedule built
+for its own total steps, replayed), or the restore fails by name where no step of the new
+size ends there (``_transformers_loop.continue_at``).
 """
 
 from __future__ import annotations
