@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--variants", default=",".join(goodput_job.VARIANTS), help="which methods the replay runs")
     add("--png", default=None, help="draw the replay's timelines here (matplotlib)")
     add("--work-dir", default=None, help="where the replay's runs go (default: a temporary directory)")
+    add("--replay-from", default=None,
+        help="a --work-dir an earlier replay of the same slice left: its runs measured again and fed to the "
+             "model, nothing replayed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +87,7 @@ def _replay(args: argparse.Namespace) -> dict:
     window = TraceSlice(start_s=args.replay_start, duration_s=args.replay_duration, compression=args.compression)
     schedule = local_schedule(read_trace(args.trace), window, max_nodes=args.max_nodes)
     job = replay.ReplayJob()
-    root = args.work_dir or tempfile.mkdtemp(prefix="rcf-goodput-")
+    root = args.replay_from or args.work_dir or tempfile.mkdtemp(prefix="rcf-goodput-")
     removes = sum(e.action == "remove" for e in schedule.events)
     print(f"replay: trace seconds {window.start_s:g} to {window.start_s + args.replay_duration:g}, "
           f"{args.compression:g}x faster: {schedule.duration_s:.0f} s, {removes} node losses, "
@@ -93,14 +96,19 @@ def _replay(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     quiet = LocalSchedule(initial_nodes=schedule.initial_nodes, events=[], peak_live=schedule.peak_live,
                           duration_s=min(args.reference_s, schedule.duration_s))
-    reference = replay.run_variant("none", quiet, job, f"{root}/reference", max_nodes=args.max_nodes)
-    rate = replay.reference_rate(reference)
+
+    def run_one(variant: str, name: str, plan: LocalSchedule) -> dict:
+        if args.replay_from:  # the runs a replay left: only the figures and the model again
+            return replay.load_run(f"{args.replay_from}/{name}")
+        return replay.run_variant(variant, plan, job, f"{root}/{name}", max_nodes=args.max_nodes,
+                                  notice_s=args.notice_s / args.compression if plan.events else 0.0)
+
+    rate = replay.reference_rate(run_one("none", "reference", quiet))
     print(f"reference (no preemption, {schedule.initial_nodes} nodes): {rate:.2f} iterations/s")
     runs, rows = {}, []
     for variant in args.variants.split(","):
         print(f"--- {variant} ---")
-        runs[variant] = replay.run_variant(variant, schedule, job, f"{root}/{variant}", max_nodes=args.max_nodes,
-                                           notice_s=args.notice_s / args.compression)
+        runs[variant] = run_one(variant, variant, schedule)
         rows.append(replay.figures(runs[variant], reference_rate=rate))
     print(replay.table(rows))
     modelled = replay.model_check(rows, runs, schedule, job, rate=rate, max_nodes=args.max_nodes,

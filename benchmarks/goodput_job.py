@@ -14,10 +14,11 @@ The job: an MLP with Adam (``width`` x ``layers``), DDP over gloo, the global ba
 Rank 0 appends JSON lines to ``<log_dir>/log.jsonl`` (each with wall time ``t``): ``entered``
 (the worker process reached the training function), ``start`` (the iteration it resumed
 at, world size, node), ``step`` (each iteration, with ``ckpt_s``: the
-seconds its checkpoint call took) and ``end``. Every ``STOP_EVERY`` iterations the ranks
-agree (an all-reduce) whether the driver's stop file exists, and stop together. Every
-rank appends to ``workers.jsonl`` where it runs as it enters, and once restored its
-timeline (entered, set-up begun, restore begun, done): a restart waits for its slowest rank.
+seconds its checkpoint call took; ours: each ``K_EVERY`` iterations, the policy's ``k``)
+and ``end``. Every ``STOP_EVERY`` iterations the ranks agree (an all-reduce) whether the
+driver's stop file exists, and stop together. Every rank appends to ``workers.jsonl`` where
+it runs as it enters, and once restored its timeline (entered, set-up begun, restore
+begun, done): a restart waits for its slowest rank.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 VARIANTS = ("ours", "epoch", "sync", "async", "none")
 STOP_EVERY = 5
+K_EVERY = 10  # ours: the policy's k logged every this many iterations
 STATE_FILE = "state.pt"
 LOG_NAME = "log.jsonl"
 WORKERS_NAME = "workers.jsonl"
@@ -90,7 +92,9 @@ def train(config: dict) -> None:
         iteration += 1
         started = time.perf_counter()
         checkpoint(iteration)
-        log("step", iteration=iteration, ckpt_s=round(time.perf_counter() - started, 5))
+        took = round(time.perf_counter() - started, 5)
+        k = checkpoint.k() if variant == "ours" and rank == 0 and iteration % K_EVERY == 0 else None
+        log("step", iteration=iteration, ckpt_s=took, **({} if k is None else {"k": k}))  # k read after the timing
         if iteration % STOP_EVERY == 0 and _agree_to_stop(config["stop_file"], rank):
             break
     if variant == "ours":
@@ -116,6 +120,11 @@ def _setup(variant: str, config: dict, model: Any, optimizer: Any) -> tuple[Any,
 
             def close(self) -> None:
                 cf.close()
+
+            def k(self) -> int | None:
+                """The policy's k (None before it decides)."""
+                k = cf.stats()["k"]
+                return None if k is None else int(k)
 
         return _Ours(), start
     if variant == "none":

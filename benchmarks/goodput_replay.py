@@ -36,6 +36,8 @@ MiB = 1 << 20
 RAY_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "60", "RAY_DEDUP_LOGS": "0"}
 FIRST_STEP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 120.0
+EVENTS_NAME = "events.json"
+RESIZE_MONITOR_S = 60.0  # Ray Train's ScalingConfig.elastic_resize_monitor_interval_s default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,10 +98,23 @@ def run_variant(variant: str, schedule: LocalSchedule, job: ReplayJob, work_dir:
         ray.shutdown()
         cluster.shutdown()
     log, workers = _read_log(log_dir), _read_lines(os.path.join(log_dir, goodput_job.WORKERS_NAME))
-    with open(os.path.join(work_dir, "events.json"), "w") as out:
-        json.dump({"driver": driver, "log": log, "workers": workers}, out)
-    return {"variant": variant, "driver": driver, "log": log, "workers": workers,
-            "error": None if error is None else repr(error)}
+    run = {"variant": variant, "driver": driver, "log": log, "workers": workers,
+           "error": None if error is None else repr(error)}
+    with open(os.path.join(work_dir, EVENTS_NAME), "w") as out:
+        json.dump(run, out)
+    return run
+
+
+def load_run(work_dir: str) -> dict:
+    """A run that ``run_variant`` left in ``work_dir``: the model can be fed again from it."""
+    path = os.path.join(work_dir, EVENTS_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no replay run there (run_variant writes it)")
+    with open(path) as saved:
+        run = json.load(saved)
+    run.setdefault("variant", os.path.basename(os.path.normpath(work_dir)))
+    run.setdefault("error", None)
+    return dict(run)
 
 
 def _first_step(log_dir: str, fitting: threading.Thread) -> float:
@@ -183,11 +198,11 @@ def figures(run: dict, *, reference_rate: float) -> dict:
     stop = next(e["t"] for e in driver if e["event"] == "stop")
     attempts = _attempts(log, [w for w in run["workers"] if "t_start" in w])
     steps = [e for e in log if e["event"] == "step" and e["t"] <= stop]
-    kept = _kept(steps, attempts, [e["t"] for e in driver if e["event"] == "remove" and e["t"] <= stop])
+    kept = _kept(steps, attempts, [e for e in driver if e["event"] == "remove" and e["t"] <= stop])
     recomputed = sum(max(0, previous["reached"] - current["start"]["iteration"])
                      for previous, current in zip(attempts, attempts[1:]))
     preemptions = [e for e in driver if e["event"] == "remove"]
-    recoveries = [_recovery(e["t"], attempts) for e in preemptions]
+    recoveries = [_recovery(e["t"], attempts, [p["t"] for p in preemptions]) for e in preemptions]
     ckpt_s = sum(e.get("ckpt_s", 0.0) for e in steps)
     running_s = sum(a["running_s"] for a in attempts)
     duration = stop - t0
@@ -205,15 +220,21 @@ def figures(run: dict, *, reference_rate: float) -> dict:
     }
 
 
-def _kept(steps: list[dict], attempts: list[dict], removals: list[float]) -> int:
-    """The progress the job holds at the stop: its newest iteration, unless a node was lost
-    after it (the job was down then): the iteration the next attempt resumed at."""
+def _kept(steps: list[dict], attempts: list[dict], removals: list[dict]) -> int:
+    """The progress the job holds at the stop: its newest iteration, unless the job was down
+    then: a node was lost after that step, or a node of the attempt that made it was lost
+    after it started (a step logged as its node went): the iteration the next attempt resumed at."""
     if not steps:
         return 0
-    lost_after = [t for t in removals if t > steps[-1]["t"]]
-    if not lost_after:
-        return int(steps[-1]["iteration"])
-    later = [a for a in attempts if a["start"]["t"] > lost_after[0]]
+    last = steps[-1]
+    current = [a for a in attempts if a["start"]["t"] <= last["t"]]
+    nodes = {rank["node"] for rank in current[-1]["ranks"]} if current else set()
+    since = current[-1]["start"]["t"] if current else last["t"]
+    down = [r["t"] for r in removals
+            if r["t"] > last["t"] or (r["t"] >= since and r.get("node") in nodes)]
+    if not down:
+        return int(last["iteration"])
+    later = [a for a in attempts if a["start"]["t"] > min(down)]
     return int(later[0]["start"]["iteration"]) if later else 0
 
 
@@ -237,16 +258,18 @@ def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
     return attempts
 
 
-def _recovery(t: float, attempts: list[dict]) -> dict | None:
+def _recovery(t: float, attempts: list[dict], removals: list[float]) -> dict | None:
     """From a preemption at ``t`` to the next attempt's first step, and where it went: to
     the slowest rank's entry into the training function (Ray Train's group restart and
     the process start), the job's own set-up (model, DDP), the checkpointing's set-up and
     restore (ours: CheckFreq() and restore(); Ray Train's: get_checkpoint and load), the
-    first step."""
+    first step. ``hit``: another node was lost before that attempt began (a restart that
+    began again: its time to the next step is not one restart's)."""
     after = [a for a in attempts if a["start"]["t"] > t and a["first_step"] is not None and a["ranks"]]
     if not after:
         return None
     attempt = after[0]
+    hit = any(t < other < attempt["start"]["t"] for other in removals)
     ranks = attempt["ranks"]
     entered = max(r["t_entered"] for r in ranks)
     set_up = max(r["t_set_up_begin"] for r in ranks)
@@ -257,7 +280,7 @@ def _recovery(t: float, attempts: list[dict]) -> dict | None:
             "checkpointing_s": round(done - max(set_up, entered), 2),
             "restore_s": round(done - max(r["t_restoring"] for r in ranks), 2),
             "first_step_s": round(attempt["first_step"]["t"] - done, 2),
-            "resumed_at": attempt["start"]["iteration"]}
+            "resumed_at": attempt["start"]["iteration"], "hit": hit}
 
 
 def reference_rate(run: dict) -> float:
@@ -287,7 +310,8 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
                 rate: float, max_nodes: int, notice_s: float = 0.0) -> list[dict]:
     """The model on the replayed slice, fed with each method's measured costs: its goodput
     beside the measured one."""
-    fleet = Fleet(_replayed_instants(schedule), full_nodes=max_nodes, end_s=schedule.duration_s)
+    fleet = Fleet(_replayed_instants(schedule), full_nodes=max_nodes, end_s=schedule.duration_s,
+                  resize_check_s=RESIZE_MONITOR_S)
     state_gb = job.state_mb * MiB / 1e9
     out = []
     for row in rows:
@@ -296,18 +320,21 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
         restore = max(_mean([r["restore_s"] for r in recoveries]) or 0.0, 1e-3)
         stall = max(_checkpoint_stall(runs[variant]["log"], variant, job), 1e-5)
         upload = min(restore, stall / 2)
+        # the model begins a restart again at each loss during one: one restart's cost is
+        # measured where no loss came before the next step
+        clean = [r for r in recoveries if not r.get("hit")] or recoveries
         costs = Costs(iter_s=schedule.initial_nodes / (rate * max_nodes), state_gb=state_gb,
                       storage_gbps=state_gb / upload, ram_restore_gbps=state_gb / restore,
                       snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
-                      restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in recoveries]) or 0.0,
+                      restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in clean]) or 0.0,
                       epoch_iterations=job.epoch_len, overhead=job.overhead, notice_s=notice_s)
-        method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant),
-                        every=job.every if variant in ("sync", "async") else None)
+        every = {"sync": job.every, "async": job.every, "ours": _interval(runs[variant]["log"])}.get(variant)
+        method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant), every=every)
         modelled = simulate(fleet, method, costs)
         out.append({"variant": variant, "measured": row["goodput"], "model": round(modelled.goodput, 4),
                     "points": None if row["goodput"] is None else round(100 * (modelled.goodput - row["goodput"]), 1),
                     "model_recomputed": round(modelled.lost_iterations), "stall_s": round(stall, 4),
-                    "restart_s": round(costs.restart_s, 2)})
+                    "restart_s": round(costs.restart_s, 2), "k": every})
     return out
 
 
@@ -338,8 +365,31 @@ def _checkpoint_stall(log: list[dict], variant: str, job: ReplayJob) -> float:
         return _mean([e["ckpt_s"] for e in steps if e["iteration"] % every == 0]) or 0.0
     if variant == "none" or not steps:
         return 0.0
-    ordinary = sorted(e["ckpt_s"] for e in steps)[len(steps) // 2]
-    return _mean([e["ckpt_s"] for e in steps if e["ckpt_s"] > 4 * ordinary + 0.001]) or 0.0
+    return _mean([e["ckpt_s"] for e in _our_checkpoints(steps)]) or 0.0
+
+
+def _our_checkpoints(steps: list[dict]) -> list[dict]:
+    """Ours' steps that took a snapshot: their calls well above the per-iteration decision's."""
+    ordinary = sorted(e["ckpt_s"] for e in steps)[len(steps) // 2] if steps else 0.0
+    return [e for e in steps if e["ckpt_s"] > 4 * ordinary + 0.001]
+
+
+def _interval(log: list[dict]) -> int | None:
+    """Ours' k as the replay's policy chose it: the mean of the k the job logged, else (a
+    run before it logged k) the mean count of iterations from an attempt's start, or its
+    snapshot before, to each snapshot (None: no snapshot)."""
+    logged = [e["k"] for e in log if e["event"] == "step" and e.get("k")]
+    if logged:
+        return max(1, round(sum(logged) / len(logged)))
+    snapshots = {id(e) for e in _our_checkpoints([e for e in log if e["event"] == "step"])}
+    spans, previous = [], None
+    for event in log:
+        if event["event"] == "start":
+            previous = event["iteration"]
+        elif id(event) in snapshots and previous is not None:
+            spans.append(event["iteration"] - previous)
+            previous = event["iteration"]
+    return max(1, round(sum(spans) / len(spans))) if spans else None
 
 
 def _mean(values: list[float]) -> float | None:

@@ -52,15 +52,24 @@ class Costs:
     epoch_iterations: int = 2000
     overhead: float = 0.035  # the policy's p
     sharded: bool = False  # FSDP2: each node copies, saves and restores from RAM its 1/n of the state
+    # An iteration on n of full_nodes takes iter_s * (full_nodes / n) ** scaling: 1, a fixed
+    # global batch bound by compute; 0, a step no node count shortens (the replay's, a sleep).
+    scaling: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("iter_s", "state_gb", "storage_gbps", "snapshot_gbps", "serialize_gbps", "ram_restore_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if not 0 <= self.scaling <= 1:
+            raise ValueError(f"scaling={self.scaling!r}: must be in [0, 1]")
         if self.restart_s < 0 or self.notice_s < 0:
             raise ValueError("restart_s and notice_s must be >= 0")
         if self.epoch_iterations < 1 or not 0 < self.overhead < 1:
             raise ValueError("epoch_iterations must be >= 1 and overhead in (0, 1)")
+
+    def iteration_s(self, nodes: int, full_nodes: int) -> float:
+        """An iteration's seconds on ``nodes`` of ``full_nodes``."""
+        return self.iter_s * (full_nodes / nodes) ** self.scaling
 
     def share_gb(self, nodes: int) -> float:
         """What one node holds of the state."""
@@ -100,6 +109,16 @@ class Fleet:
     full_nodes: int
     min_nodes: int = 1
     end_s: float | None = None  # default: the last instant
+    # Ray Train's elastic monitor (ScalingConfig.elastic_resize_monitor_interval_s): every this
+    # many seconds of an attempt, a job on fewer nodes than it could hold restarts onto them
+    # (no preemption: every node survives). None: nodes added join at the next preemption.
+    resize_check_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.full_nodes:
+            raise ValueError(f"min_nodes={self.min_nodes!r}, full_nodes={self.full_nodes!r}: need 1 <= min <= full")
+        if self.resize_check_s is not None and not self.resize_check_s > 0:
+            raise ValueError(f"resize_check_s={self.resize_check_s!r}: must be > 0 (None: no monitor)")
 
 
 @dataclass
@@ -145,6 +164,8 @@ class _Job:
     stall_s: float = 0.0
     restart_spent_s: float = 0.0
     ks: list[int] = field(default_factory=list)
+    next_check: float = math.inf  # the elastic monitor's next look at the nodes
+    from_ram: bool = False  # where the restore of this attempt comes from
 
     def interval(self) -> int | None:
         kind = self.method.kind
@@ -185,7 +206,7 @@ class _Job:
                 return
         if not self.history:
             self.history = [(start, self.progress)]
-        iteration_s = self.costs.iter_s * self.fleet.full_nodes / self.nodes
+        iteration_s = self.costs.iteration_s(self.nodes, self.fleet.full_nodes)
         k, cost = self.interval(), self.per_checkpoint_s(iteration_s)
         rate = 1.0 / iteration_s if k is None else k / (k * iteration_s + cost)
         self.progress += rate * seconds
@@ -209,8 +230,8 @@ class _Job:
         if k is None:
             return 0.0, False
         running = not self.waiting and self.restart_left <= 0
-        if not running:
-            return self.progress, False  # it had not trained since its restore
+        if not running:  # it had not trained since its restore: the same copy again
+            return self.progress, self.from_ram and survivors > 0
         if self.method.kind == "checkfreq":
             if self.costs.notice_s >= self.costs.snapshot_s(self.nodes):
                 return self.progress, survivors > 0  # a stop checkpoint at the notice
@@ -219,9 +240,16 @@ class _Job:
         durable = math.floor(self.progress_at(now - self.lag_s()) / k) * k
         return max(self.durable_floor, durable), False
 
-    def preempt(self, now: float, live: int, mtbf_s: float | None) -> None:
+    def can_grow(self, live: int) -> bool:
+        """Whether the elastic monitor would restart the job now onto more nodes."""
+        return not self.waiting and self.restart_left <= 0 and self.nodes < min(live, self.fleet.full_nodes)
+
+    def restart(self, now: float, live: int, mtbf_s: float | None) -> None:
+        """A preemption or a resize: back to the newest recoverable iteration, then a restart
+        on the ``live`` nodes (a loss while restarting begins the restart again)."""
         survivors = min(self.nodes, live)
         back, from_ram = self.recoverable(now, survivors)
+        self.from_ram = from_ram
         self.lost += self.progress - back
         self.progress = self.durable_floor = back
         self.restarts += 1
@@ -230,12 +258,14 @@ class _Job:
             restore_s = (self.costs.share_gb(max(1, min(self.nodes, live))) / self.costs.ram_restore_gbps if from_ram
                          else self.costs.state_gb / self.costs.storage_gbps)
         self.restart_left = self.costs.restart_s + restore_s
-        self.start_attempt(live, mtbf_s)
+        self.start_attempt(now, live, mtbf_s)
 
-    def start_attempt(self, live: int, mtbf_s: float | None) -> None:
+    def start_attempt(self, now: float, live: int, mtbf_s: float | None) -> None:
         self.nodes = min(live, self.fleet.full_nodes)
         self.waiting = self.nodes < self.fleet.min_nodes
         self.history = []
+        check = self.fleet.resize_check_s
+        self.next_check = now + check if check is not None and not self.waiting else math.inf
         if self.method.kind == "checkfreq":
             self.k = self.method.every or policy_k(self.costs, mtbf_s, nodes=max(1, self.nodes),
                                                    full_nodes=self.fleet.full_nodes)
@@ -251,21 +281,33 @@ def simulate(fleet: Fleet, method: Method, costs: Costs) -> Outcome:
     job = _Job(method=method, costs=costs, fleet=fleet)
     ideal, live, now, preemptions = 0.0, 0, instants[0][0], 0
     started, first_start = False, 0.0
+
+    def ideal_over(seconds: float) -> float:
+        if live < fleet.min_nodes:
+            return 0.0
+        return seconds / costs.iteration_s(min(live, fleet.full_nodes), fleet.full_nodes)
+
     for time, removed, live_after in instants + [(end, 0, -1)]:
         time = min(time, end)
-        if live >= fleet.min_nodes:
-            ideal += min(live, fleet.full_nodes) * (time - now) / (fleet.full_nodes * costs.iter_s)
+        while job.next_check < time:
+            ideal += ideal_over(job.next_check - now)
+            job.run(now, job.next_check - now)
+            now = job.next_check
+            job.next_check = now + (fleet.resize_check_s or math.inf)
+            if job.can_grow(live):
+                job.restart(now, live, mtbf_estimate(now - first_start, preemptions))
+        ideal += ideal_over(time - now)
         job.run(now, time - now)
         now = time
         if live_after < 0 or time >= end:
             break
         if removed and started and not job.waiting:  # running or restarting: preempted
             preemptions += 1
-            job.preempt(now, live_after, mtbf_estimate(now - first_start, preemptions))
+            job.restart(now, live_after, mtbf_estimate(now - first_start, preemptions))
         elif live_after >= fleet.min_nodes and (not started or job.waiting):  # (re)starts on enough nodes
             if not started:
                 started, first_start = True, now
-            job.start_attempt(live_after, mtbf_estimate(now - first_start, preemptions))
+            job.start_attempt(now, live_after, mtbf_estimate(now - first_start, preemptions))
         live = live_after
     return Outcome(method=method.name, goodput=job.progress / ideal if ideal else 0.0, iterations=job.progress,
                    ideal_iterations=ideal, lost_iterations=job.lost, restarts=job.restarts, stall_s=job.stall_s,

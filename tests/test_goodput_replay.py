@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.goodput_replay import ReplayJob, _checkpoint_stall, _replayed_instants, figures
+from benchmarks.goodput_replay import ReplayJob, _checkpoint_stall, _interval, _replayed_instants, figures, model_check
 from ray_checkfreq.chaos.trace import LocalEvent, LocalSchedule
 
 
@@ -51,6 +51,28 @@ def test_the_figures_of_a_run_come_from_its_log_and_the_driver_events() -> None:
     down["log"].append({"t": 130.0, "event": "start", "iteration": 40})
     assert figures(down, reference_rate=10.0)["iterations_kept"] == 40  # what the next attempt resumed
     assert _checkpoint_stall(_run()["log"], "sync", ReplayJob(every=10)) == pytest.approx(0.05)
+
+
+def test_a_step_logged_as_its_node_went_is_not_kept_and_a_hit_restart_is_not_one_restarts_cost() -> None:
+    killed = _run()  # node b, rank 1's, goes just before rank 0 logs iteration 50; then 40 resumes
+    killed["driver"].insert(2, {"t": 115.99, "event": "remove", "node": "b"})
+    killed["log"].append({"t": 130.0, "event": "start", "iteration": 40})
+    assert figures(killed, reference_rate=10.0)["iterations_kept"] == 40
+    hit = _run()  # a second node goes while the job restarts: the first restart began again
+    hit["driver"].insert(2, {"t": 105.0, "event": "remove", "node": "c"})
+    first, second = figures(hit, reference_rate=10.0)["recoveries"]
+    assert first["hit"] and not second["hit"] and second["to_next_step_s"] == pytest.approx(113.1 - 105.0)
+    schedule = LocalSchedule(initial_nodes=2, peak_live=2, duration_s=16.0, events=[])
+    rows = [figures(hit, reference_rate=10.0)]
+    (modelled,) = model_check(rows, {"ours": hit}, schedule, ReplayJob(), rate=10.0, max_nodes=2)
+    assert modelled["restart_s"] == pytest.approx(113.1 - 105.0 - 0.5)  # the clean one, its restore apart
+
+
+def test_ours_k_is_the_one_the_job_logged_else_the_span_between_its_snapshots() -> None:
+    log = _run()["log"]
+    assert _interval(log) == 10  # snapshots at 10, 20, 30 from 0; at 30, 40, 50 from 20
+    log[5]["k"], log[25]["k"] = 7, 8
+    assert _interval(log) == 8  # the mean of 7 and 8, rounded
 
 
 def test_the_replayed_schedule_becomes_the_models_instants() -> None:

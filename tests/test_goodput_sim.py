@@ -99,3 +99,43 @@ def test_bench_goodput_projects_a_slice_of_the_shipped_trace(tmp_path, capsys) -
     assert methods["ours (policy)"]["goodput"] > methods["sync every 100"]["goodput"]
     assert 0.9 < figures["ours_over_oracle"] <= 1.1
     assert "ours / its oracle fixed interval" in capsys.readouterr().out
+
+
+def test_a_step_that_no_node_count_shortens_trains_at_one_rate_on_any_number_of_nodes() -> None:
+    # scaling 0 (the replay's steps, a sleep each): one iteration a second on 2 nodes or on 1
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 1), (1100.0, 0, 1)], full_nodes=2)
+    flat = Costs(**{**COSTS.__dict__, "scaling": 0.0})
+    none = simulate(fleet, Method(name="none", kind="none"), flat)
+    assert none.ideal_iterations == pytest.approx(1100)
+    assert none.iterations == pytest.approx(1000 - 30)
+    with pytest.raises(ValueError, match="scaling=1.5"):
+        Costs(scaling=1.5)
+
+
+def test_the_elastic_monitor_restarts_a_job_onto_the_nodes_added_while_it_ran() -> None:
+    # The job starts on 1 node (2 s an iteration); a node comes at 10 s. The monitor looks
+    # 60 s after the attempt began: a restart (30 s) onto 2 nodes, then nothing to grow.
+    fleet = Fleet([(0.0, 0, 1), (10.0, 0, 2), (1000.0, 0, 2)], full_nodes=2, resize_check_s=60.0)
+    none = simulate(fleet, Method(name="none", kind="none"), COSTS)
+    assert none.restarts == 1 and none.lost_iterations == pytest.approx(30)
+    assert none.iterations == pytest.approx(1000 - 90)
+    assert none.ideal_iterations == pytest.approx(10 / 2 + 990)
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    reached = 60 * 10 / 20.1  # 10 iterations and a 0.1 s snapshot each 20.1 s
+    assert ours.lost_iterations == pytest.approx(reached - 20)  # every node survives: the RAM copy
+    assert ours.iterations == pytest.approx(20 + (1000 - 90.1) * 10 / 10.1)  # 0.1 s from RAM
+    unwatched = simulate(Fleet(fleet.instants, full_nodes=2), Method(name="none", kind="none"), COSTS)
+    assert unwatched.restarts == 0 and unwatched.iterations == pytest.approx(500)
+    with pytest.raises(ValueError, match="resize_check_s=0"):
+        Fleet(fleet.instants, full_nodes=2, resize_check_s=0)
+
+
+def test_a_loss_during_a_restart_begins_the_restart_again_and_loses_nothing_more() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 2), (110.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    none = simulate(fleet, Method(name="none", kind="none"), COSTS)
+    assert none.restarts == 2 and none.lost_iterations == pytest.approx(100)
+    assert none.restart_s == pytest.approx(10 + 30)
+    assert none.iterations == pytest.approx(1000 - 110 - 30)
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    assert ours.lost_iterations == pytest.approx(100 * 10 / 10.1 - 90)
+    assert ours.iterations == pytest.approx(90 + (1000 - 110 - 30.1) * 10 / 10.1)
