@@ -216,8 +216,20 @@ def figures(run: dict, *, reference_rate: float) -> dict:
         "seconds": round(duration, 1),
         "checkpoint_overhead": round(ckpt_s / running_s, 4) if running_s > 0 else None,
         "recoveries": [r for r in recoveries if r is not None],
+        "step_s_by_world": _step_s_by_world(attempts),
         "error": run["error"],
     }
+
+
+def _step_s_by_world(attempts: list[dict]) -> dict[int, float]:
+    """The median seconds between steps of attempts at each world size, each attempt's
+    first 3 steps left out (warm-up)."""
+    gaps: dict[int, list[float]] = {}
+    for attempt in attempts:
+        times = attempt["step_times"][3:]
+        world = int(attempt["start"].get("world") or 0)
+        gaps.setdefault(world, []).extend(b - a for a, b in zip(times, times[1:]))
+    return {world: round(sorted(g)[len(g) // 2], 4) for world, g in sorted(gaps.items()) if g}
 
 
 def _kept(steps: list[dict], attempts: list[dict], removals: list[dict]) -> int:
@@ -246,7 +258,7 @@ def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
         if event["event"] == "start":
             ranks = [line for line in timelines if abs(line["t_start"] - event["t"]) < 5.0]
             attempts.append({"start": event, "ranks": ranks, "first_step": None, "reached": event["iteration"],
-                             "running_s": 0.0, "last_t": None})
+                             "running_s": 0.0, "last_t": None, "step_times": []})
         elif event["event"] == "step" and attempts:
             current = attempts[-1]
             if current["first_step"] is None:
@@ -254,6 +266,7 @@ def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
             else:
                 current["running_s"] += event["t"] - current["last_t"]
             current["last_t"] = event["t"]
+            current["step_times"].append(event["t"])
             current["reached"] = max(current["reached"], event["iteration"])
     return attempts
 
@@ -323,7 +336,9 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
         # the model begins a restart again at each loss during one: one restart's cost is
         # measured where no loss came before the next step
         clean = [r for r in recoveries if not r.get("hit")] or recoveries
-        costs = Costs(iter_s=schedule.initial_nodes / (rate * max_nodes), state_gb=state_gb,
+        # the job's step is a sleep and little compute: as long on any world size (scaling 0;
+        # figures' step_s_by_world shows it)
+        costs = Costs(iter_s=1.0 / rate, scaling=0.0, state_gb=state_gb,
                       storage_gbps=state_gb / upload, ram_restore_gbps=state_gb / restore,
                       snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
                       restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in clean]) or 0.0,

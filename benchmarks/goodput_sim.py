@@ -2,10 +2,13 @@
 checkpointing method over a whole availability trace (pure: no Ray, no clock).
 
 The job spans every node the trace holds (up to ``full_nodes``) with a fixed global batch:
-an iteration takes ``iter_s * full_nodes / n`` on ``n`` nodes. Every ``remove`` instant
-while it runs or restarts is a preemption: the job falls back to its newest recoverable
-iteration, restarts (``restart_s`` plus the restore), and resumes on the nodes then held;
-below ``min_nodes`` it waits. Nodes added while it runs join at its next restart.
+an iteration takes ``iter_s * (full_nodes / n) ** scaling`` on ``n`` nodes (``scaling`` 1:
+bound by compute). Every ``remove`` instant while it runs or restarts is one preemption,
+however many nodes it takes: the job falls back to its newest recoverable iteration,
+restarts (``restart_s`` plus the restore; a loss during a restart begins it again), and
+resumes on the nodes then held; below ``min_nodes`` it waits. Nodes added while it runs
+join at its next restart, or (``Fleet.resize_check_s``, Ray Train's elastic monitor) at
+the monitor's next look, by a restart of their own.
 
 Goodput is the iterations the job kept at the end over those an ideal job (no checkpoint,
 no restart, no loss) makes on the same nodes: ``sum(n(t) / (full_nodes * iter_s) dt)``.
