@@ -5,14 +5,19 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
 from ray_checkfreq.engine.policy import (
+    MAX_OVERHEAD,
     Profile,
     choose_interval,
     choose_mode,
     critical_overhead_s,
+    expected_goodput,
     interval_overhead,
+    smallest_interval_within,
     young_daly_interval_s,
 )
 
@@ -55,21 +60,68 @@ def test_cpu_mode_when_the_snapshot_does_not_fit():
     assert choose_mode(cpu_profile()) == "cpu"  # no GPU measured
 
 
-def test_young_daly_tightens_k_only_as_far_as_p_allows():
+def test_without_a_loss_rate_p_holds():
     profile = cpu_profile(update_s=0.5, cpu_copy_s=1.2, persist_s=40.0)  # To = 0.7, persist needs 41
     loose = choose_interval(profile, overhead=0.05)
-    assert loose.k == 41 and loose.young_daly_k is None
-    # sqrt(2 * 0.7 * 500) = 26.5 s -> 26 iterations, within p? overhead(26) = (0.7 + 40.5 - 26) / 26 > p
-    tight = choose_interval(profile, overhead=0.05, mtbf_s=500)
-    assert tight.young_daly_k == math.floor(math.sqrt(2 * 0.7 * 500))
-    assert tight.young_daly_k < tight.k <= loose.k
-    assert interval_overhead(profile, 0.7, tight.k) <= 0.05 < interval_overhead(profile, 0.7, tight.k - 1)
+    assert loose.k == 41 and loose.young_daly_k is None and loose.bound == "p" and loose.expected_goodput is None
+    assert choose_interval(profile, overhead=0.05, loss_rate_per_s=0.0) == loose
     assert young_daly_interval_s(2.0, 3600) == pytest.approx(120.0)
 
 
-def test_young_daly_can_pull_k_down_when_persist_is_quick():
-    profile = cpu_profile(update_s=0.9, cpu_copy_s=0.1, persist_s=0.5)  # To = 0, k_persist = 1
-    assert choose_interval(profile, mtbf_s=60).k == 1
+def brute_force_k(profile, stall_s: float, *, rate: float, restart_s: float, low: int, high: int) -> int:
+    return max(range(low, high + 1),
+               key=lambda k: expected_goodput(profile, stall_s, k, loss_rate_per_s=rate, restart_s=restart_s))
+
+
+def test_frequent_losses_buy_more_checkpoints_than_p_allows_up_to_the_cap():
+    # A large replicated state: To = 0.3 s a checkpoint at 1 s iterations, persist 2 s.
+    profile = cpu_profile(update_s=0.3, cpu_copy_s=1.0, persist_s=2.0, interference_s=0.3)
+    at_p = choose_interval(profile, overhead=0.035)
+    assert at_p.bound == "p" and at_p.k == 9  # ceil(0.3 / 0.035)
+    frequent = choose_interval(profile, overhead=0.035, loss_rate_per_s=1 / 60, restart_s=10.0)
+    assert frequent.bound == "goodput" and frequent.k < at_p.k
+    assert 0.035 < interval_overhead(profile, 0.3, frequent.k) <= MAX_OVERHEAD
+    assert frequent.k == brute_force_k(profile, 0.3, rate=1 / 60, restart_s=10.0, low=1, high=500)
+    assert frequent.expected_goodput > expected_goodput(profile, 0.3, at_p.k, loss_rate_per_s=1 / 60,
+                                                        restart_s=10.0)
+    # Losses every 5 s would want a checkpoint nearly every iteration: the cap holds overhead.
+    quick = cpu_profile(update_s=0.3, cpu_copy_s=0.3, persist_s=0.2, interference_s=0.3)  # C = 0.3, no wait
+    capped = choose_interval(quick, overhead=0.035, loss_rate_per_s=1 / 5, restart_s=0.5, max_overhead=0.1)
+    assert (capped.k, capped.bound) == (3, "cap")  # 0.3 / 3 = 0.1; the best k unbounded is below
+    assert brute_force_k(quick, 0.0, rate=1 / 5, restart_s=0.5, low=1, high=50) < 3
+    with pytest.raises(ValueError, match="max_overhead=1.5"):
+        choose_interval(profile, overhead=0.035, max_overhead=1.5)
+
+
+def test_rare_losses_checkpoint_less_often_than_p_within_the_lost_work_bound():
+    profile = cpu_profile(update_s=0.9, cpu_copy_s=0.1, persist_s=0.5, interference_s=0.2)  # kcost = 4 at 5 %
+    rare = choose_interval(profile, overhead=0.05, mtbf_s=2000)  # the user states the rate: 1 / mtbf_s
+    assert rare.k > 4 and rare.bound == "goodput" and rare.young_daly_k == 28  # sqrt(2 * 0.2 * 2000)
+    assert rare.k == brute_force_k(profile, 0.0, rate=1 / 2000, restart_s=60.0, low=1, high=400)
+    bounded = choose_interval(profile, overhead=0.05, mtbf_s=20_000, k_cap=20)
+    assert (bounded.k, bounded.bound) == (20, "goodput")
+    below = choose_interval(profile, overhead=0.01, mtbf_s=2000, k_cap=3, max_overhead=0.05)
+    assert (below.k, below.bound, below.k_uncapped) == (3, "lost_work", 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(iter_s=st.floats(0.01, 5.0), copy_s=st.floats(0.0, 5.0), persist_s=st.floats(0.0, 50.0),
+       interference_s=st.floats(0.0, 2.0), mtbf_s=st.floats(30.0, 1e6), restart_s=st.floats(0.0, 300.0))
+def test_the_goodput_k_is_the_best_k_within_the_cap(iter_s, copy_s, persist_s, interference_s, mtbf_s, restart_s):
+    profile = cpu_profile(iter_s=iter_s, update_s=iter_s / 2, cpu_copy_s=copy_s, persist_s=persist_s,
+                          interference_s=interference_s)
+    decision = choose_interval(profile, overhead=0.035, mtbf_s=mtbf_s, restart_s=restart_s, k_cap=400)
+    low = smallest_interval_within(profile, decision.overhead_s, MAX_OVERHEAD)
+    if low > 400:
+        assert decision.bound == "lost_work"
+        return
+    best = brute_force_k(profile, decision.overhead_s, rate=1 / mtbf_s, restart_s=restart_s, low=low, high=400)
+
+    def value(k: int) -> float:
+        return expected_goodput(profile, decision.overhead_s, k, loss_rate_per_s=1 / mtbf_s, restart_s=restart_s)
+
+    assert value(decision.k) >= value(best) - 1e-12
+    assert interval_overhead(profile, decision.overhead_s, decision.k) <= MAX_OVERHEAD + 1e-9
 
 
 @pytest.mark.parametrize("bad", [dict(iter_s=0), dict(persist_s=-1), dict(size_bytes=-5)])
@@ -241,15 +293,6 @@ def test_interference_below_the_stall_changes_nothing():
     profile = cpu_profile(update_s=0.5, cpu_copy_s=1.5, persist_s=2.0, interference_s=0.3)
     decision = choose_interval(profile, overhead=0.05)
     assert (decision.cost_s, decision.k_cost, decision.k) == (pytest.approx(1.0), 20, 20)
-
-
-def test_young_daly_uses_the_measured_cost():
-    profile = cpu_profile(update_s=0.9, cpu_copy_s=0.1, persist_s=0.5, interference_s=0.2)  # To = 0
-    decision = choose_interval(profile, overhead=0.05, mtbf_s=100)
-    # C = 0.2 (not To = 0): sqrt(2 * 0.2 * 100) = 6.3 s -> 6; kcost = ceil(0.2 / 0.05) = 4 already below
-    assert (decision.young_daly_k, decision.k) == (6, 4)
-    # sqrt(2 * 0.2 * 1) = 0.6 s -> 1 iteration, but p holds k at kcost = 4
-    assert choose_interval(profile, overhead=0.05, mtbf_s=1).k == 4
 
 
 def test_interference_is_what_busy_iterations_lost_against_the_quiet_mean():

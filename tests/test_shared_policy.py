@@ -8,6 +8,7 @@ import math
 import pytest
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig
+from ray_checkfreq.engine.policy import Profile, choose_interval
 from ray_checkfreq.ray.shared_policy import IterationReport, PersistReport, SharedPolicy, SharedPolicyConfig
 
 TI = 0.1
@@ -103,34 +104,52 @@ def test_a_restart_at_the_same_world_size_keeps_the_learned_k_and_another_size_s
     assert shared.decision()["generation"] == 3
 
 
-def test_rare_preemptions_raise_k_to_young_daly_and_frequent_ones_leave_p_in_charge():
-    """The restarts seen give the preemption rate: at one restart in 2 hours and 0.05 s per
-    checkpoint, sqrt(2 * 0.05 * 3600) = 19 s is k = 189 at 0.1 s iterations (p alone: 4);
-    with a restart every 10 s Young/Daly's k (10) is under p's floor and p's k stands."""
+def restart_after(shared: SharedPolicy, generation: int, *, at_s: float, restart_s: float, **start) -> int:
+    """A persist reported ``restart_s`` before a restart at ``at_s`` (the measured restart cost)."""
+    shared.record_persist(generation=generation - 1, report=PersistReport(step=generation, seconds=0.01),
+                          now_s=at_s - restart_s)
+    return shared.start(generation=generation, world_size=2, iter_s=TI, cost_s=0.05, now_s=at_s, **start)
+
+
+def best_k(mtbf_s: float, restart_s: float, k_cap: int | None = None) -> int:
+    profile = Profile(iter_s=TI, update_s=TI, cpu_copy_s=0.0, persist_s=0.01, size_bytes=0, interference_s=0.05)
+    return choose_interval(profile, overhead=0.05, loss_rate_per_s=1 / mtbf_s, restart_s=restart_s, k_cap=k_cap).k
+
+
+def test_once_a_loss_was_seen_k_maximises_goodput_at_the_observed_rate():
+    """One loss in 2 hours: fewer checkpoints than p's k (4); a loss every 10 s: more than p
+    allows (its floor 20), the adaptive rate then holding k to that overhead; the restart cost
+    is measured (last report to the new start)."""
     rare = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
     rare.start(generation=1, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)
-    assert rare.decision()["goodput_k"] == 1 and rare.k == 4  # nothing seen yet
-    assert rare.start(generation=2, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=7200.0) == \
-        math.floor(math.sqrt(2 * 0.05 * 3600) / TI)
+    assert rare.decision()["goodput_k"] is None and rare.k == 4  # nothing seen yet
+    k = restart_after(rare, 2, at_s=7200.0, restart_s=12.0, k=4, k_floor=2)
+    assert k == best_k(3600.0, 12.0) > 4 and rare.history[-1]["reason"] == "goodput"
     assert rare.decision()["restarts"] == 1 and rare.decision()["mtbf_s"] == 3600.0
-    assert rare.history[-1]["reason"] == "goodput"
     frequent = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
-    for generation in range(1, 6):
-        k = frequent.start(generation=generation, world_size=2, k=40, k_floor=20, iter_s=TI, cost_s=0.05,
-                           now_s=10.0 * generation)
-    assert frequent.decision()["goodput_k"] < 20 and k == 40
-    capped = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
-    capped.start(generation=1, world_size=2, k=4, k_floor=2, iter_s=TI, k_cap=50, cost_s=0.05, now_s=0.0)
-    assert capped.start(generation=2, world_size=2, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=7200.0) == 50
+    frequent.start(generation=1, world_size=2, k=40, k_floor=20, iter_s=TI, cost_s=0.05, now_s=0.0)
+    for generation in range(2, 6):
+        k = restart_after(frequent, generation, at_s=30.0 * generation, restart_s=2.0, k=40, k_floor=20)
+    assert k == best_k(150.0 / 5, 2.0) < 20 and frequent.history[-1]["reason"] in ("goodput", "cap")
+    assert frequent._rate is not None and frequent._rate.k_floor == k  # the adaptive rate may not undo it
 
 
-def test_the_preemption_rate_estimate_grows_with_quiet_time_between_persists():
+def test_a_notice_that_kept_everything_is_no_loss_that_needs_a_checkpoint():
+    shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    shared.start(generation=1, world_size=2, k=4, k_floor=2, iter_s=TI, k_cap=50, cost_s=0.05, now_s=0.0)
+    # Restarts after notices only: as few checkpoints as the lost-work bound allows.
+    assert restart_after(shared, 2, at_s=60.0, restart_s=10.0, k=4, k_floor=2, k_cap=50, lost_work=False) == 50
+    assert shared.decision()["mtbf_s"] == 60.0  # no loss that needed a checkpoint yet
+    k = restart_after(shared, 3, at_s=120.0, restart_s=10.0, k=4, k_floor=2, k_cap=50)
+    assert k == best_k(60.0, 10.0, k_cap=50) < 50
+
+
+def test_without_a_loss_p_holds_however_long_the_run():
     shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
     shared.start(generation=1, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)
     shared.record_persist(generation=1, report=PersistReport(step=4, seconds=0.01), now_s=0.5)
-    assert shared.k == 4  # 0.5 s without a preemption: Young/Daly's k is 2, under p's
     shared.record_persist(generation=1, report=PersistReport(step=8, seconds=0.01), now_s=20_000.0)
-    assert shared.k == math.floor(math.sqrt(2 * 0.05 * 20_000) / TI)  # no restart in 5.5 hours
+    assert shared.k == 4 and shared.decision()["goodput_k"] is None
     assert shared.decision()["mtbf_s"] == 20_000.0
 
 

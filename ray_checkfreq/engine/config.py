@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig
-from ray_checkfreq.engine.policy import lost_work_cap
+from ray_checkfreq.engine.policy import MAX_OVERHEAD, lost_work_cap
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,14 @@ class CheckFreqConfig:
     """Quiet iterations timed before the profiling checkpoints (None: 1 % of an epoch, at least 2, at most 50; 50
     without ``epoch_len``)."""
     mtbf_s: float | None = None
-    """Mean time between failures, seconds: bounds k by Young/Daly's interval."""
+    """Mean time between losses that need a checkpoint, seconds, as you know it before the run
+    (spot markets publish interruption frequencies): k then maximises expected goodput, and
+    overhead may exceed p up to ``max_overhead``. None: p holds until a run-wide policy
+    observes losses (Ray)."""
+    max_overhead: float = MAX_OVERHEAD
+    """The hard cap on overhead when the loss rate asks for more checkpoints than p allows."""
+    restart_s: float = 60.0
+    """Seconds a restart costs, restore apart, until one is measured (goodput's k)."""
     adaptive: bool = True
     """Adapt k at run time."""
     adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
@@ -64,6 +71,10 @@ class CheckFreqConfig:
             raise ValueError(f"profile_iters={self.profile_iters}: need at least 2 iterations to time one")
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ValueError(f"mtbf_s={self.mtbf_s!r}: must be > 0 seconds")
+        if not 0 < self.max_overhead < 1:
+            raise ValueError(f"max_overhead={self.max_overhead!r}: must be a fraction in (0, 1); p applies if larger")
+        if isinstance(self.restart_s, bool) or not self.restart_s >= 0:
+            raise ValueError(f"restart_s={self.restart_s!r}: must be seconds >= 0")
         if self.compress not in (None, True, False):
             raise ValueError(f"compress={self.compress!r}: must be None (measure), True or False")
         fraction = self.max_lost_fraction
@@ -79,6 +90,10 @@ class CheckFreqConfig:
     def k_cap(self, iter_s: float = 0.0) -> int | None:
         """The lost-work bound on the policy's k at iterations of ``iter_s`` (None: none)."""
         return lost_work_cap(self.epoch_len, self.max_lost_fraction, iter_s=iter_s, floor_s=self.lost_work_floor_s)
+
+    def interval_options(self) -> dict[str, Any]:
+        """What ``policy.choose_interval`` takes of this config beside p and the lost-work bound."""
+        return {"mtbf_s": self.mtbf_s, "max_overhead": self.max_overhead, "restart_s": self.restart_s}
 
     def is_epoch_end(self, iteration: int) -> bool:
         """Whether ``iteration`` (1-based) ends an epoch."""

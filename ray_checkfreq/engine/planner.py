@@ -275,7 +275,7 @@ class Planner:
         self.stats.profiling_s += sum(sample.interference_s for sample in window.samples[measured.codec])
         gpu = self._gpu_measurements(measured.size_bytes)
         k_cap = self.config.k_cap(window.iter_s())
-        decisions = {codec: window.decide(m, gpu, self.config.overhead, self.config.mtbf_s, k_cap)
+        decisions = {codec: window.decide(m, gpu, self.config.overhead, self.config.interval_options(), k_cap)
                      for codec, m in window.measured.items()}
         if (measured.codec == "raw" and self.codec_trial.decided is None
                 and compression_could_pay(decisions["raw"][1], measured.size_bytes)):
@@ -314,15 +314,16 @@ class Planner:
     def _adopt(self, profile: Profile, *, first_checkpoint: int) -> None:
         self.profile = profile
         k_cap = self.config.k_cap(profile.iter_s)
-        self.decision = decision = choose_interval(profile, overhead=self.config.overhead,
-                                                   mtbf_s=self.config.mtbf_s, k_cap=k_cap)
+        self.decision = decision = choose_interval(profile, overhead=self.config.overhead, k_cap=k_cap,
+                                                   **self.config.interval_options())
         self.k = decision.k
         self._next_checkpoint = first_checkpoint + decision.k
         self.stats.run_overhead.fallback_ref_s = self.stats.run_overhead.fallback_ref_s or profile.iter_s
         self.stats.note_k(self._now, decision.k, "profile")
         _log_policy(self.config, profile, decision)
         if self._adapts:
-            self.adaptive = AdaptiveRate(k=decision.k, k_floor=decision.k_floor, overhead=self.config.overhead,
+            self.adaptive = AdaptiveRate(k=decision.k, k_floor=decision.k_floor,
+                                         overhead=max(self.config.overhead, decision.target_overhead),
                                          config=self.config.adaptive_config, reference_iter_s=profile.iter_s,
                                          k_cap=k_cap)
             if self._last_result is not None:  # profiling's last persist: the floor from the start
@@ -331,6 +332,10 @@ class Planner:
 
 def _log_policy(config: CheckFreqConfig, profile: Profile, decision: Decision) -> None:
     k = decision.k
+    if decision.bound in ("goodput", "cap"):
+        logger.info("k = %d set by %s: the loss rate (mtbf_s = %s s) makes it worth %.1f%% overhead (p = %.1f%%, "
+                    "max_overhead = %.1f%%)", k, decision.bound, config.mtbf_s, 100 * decision.expected_overhead,
+                    100 * config.overhead, 100 * config.max_overhead)
     if decision.capped:
         logger.warning("k = %d, not the %d that p = %.1f%% asks for: at most max_lost_fraction = %s of a "
                        "%s-iteration epoch may be lost to a failure; the model expects %.1f%% overhead "

@@ -15,11 +15,18 @@ carries C, the training time one checkpoint cost as measured (``interference_s``
 inflation of the iterations that ran beside a profiling persist, its stalls included),
 and k is never below kcost = ceil(max(To, C) / (p * Ti)).
 
-With a mean time between failures, Young/Daly's interval sqrt(2 * C * MTBF) (C = the
-stall a checkpoint costs) also bounds k from above, unless p forbids it. A run-wide
-policy that observes the preemption rate (ray/shared_policy.py) uses the same interval as
-a floor instead (``goodput_interval``): where preemptions are rare it checkpoints less
-often than p allows, where they are frequent p's k stands.
+With a loss rate (losses per second: stated by the user as ``mtbf_s``, or observed by a
+run that has seen losses, ray/shared_policy.py), k is the one that maximises expected
+goodput (``goodput_k``): each interval of k iterations costs the checkpoint, and each loss
+costs the restart R plus half an interval of recomputation on average, so
+
+    G(k) = (1 - rate * (R + P(k) / 2)) / (1 + o(k))    P(k) = k * Ti * (1 + o(k))
+
+with o(k) the overhead at k (``interval_overhead``). Where losses are rare that k is
+above p's (fewer checkpoints); where they are frequent it may be below, and overhead then
+exceeds p, up to the hard cap ``max_overhead``. With no loss rate, p's k stands.
+``Decision.bound`` says which bound set k: "p", "goodput", "cap" (max_overhead) or
+"lost_work" (k_cap).
 
 A lost-work bound ``k_cap`` (by default a quarter of an epoch, but never under 10 s of
 iterations) bounds k from above whatever p asks: the user chose to lose at most that much
@@ -90,6 +97,8 @@ class Decision:
     k_cost: int = 1
     k_cap: int | None = None  # the lost-work bound, if any
     k_uncapped: int | None = None  # the k p asked for, where the lost-work bound cut it
+    bound: str = "p"  # what set k: "p", "goodput", "cap" (max_overhead) or "lost_work" (k_cap)
+    expected_goodput: float | None = None  # G(k), with a loss rate
 
     @property
     def capped(self) -> bool:
@@ -101,7 +110,14 @@ class Decision:
         """The paper's k (persist done in time, To within p), without measured interference:
         the adaptive rate may come down to it when the interference goes away."""
         floor = max(self.k_persist, self.k_min)
+        if self.bound in ("goodput", "cap"):  # the loss rate asked for this k, under p's
+            floor = min(floor, self.k)
         return floor if self.k_cap is None else min(floor, self.k_cap)
+
+    @property
+    def target_overhead(self) -> float:
+        """The overhead the adaptive rate holds k to: p, or what the goodput's k costs."""
+        return self.expected_overhead if self.bound in ("goodput", "cap") else 0.0
 
 
 def choose_mode(profile: Profile) -> str:
@@ -140,9 +156,8 @@ def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
 
 
 def goodput_interval(cost_s: float, mtbf_s: float, iter_s: float) -> int:
-    """The k that maximises goodput at this checkpoint cost and mean time between
-    preemptions (Young/Daly): fewer checkpoints when preemptions are rare. A floor under
-    the overhead bound's k, never a reason to checkpoint more often than p allows."""
+    """Young/Daly's k at this checkpoint cost and mean time between preemptions (first
+    order: no restart cost, no waits); ``goodput_k`` is the exact one of the model."""
     if not iter_s > 0:
         raise ValueError(f"iter_s={iter_s!r}: must be > 0")
     return max(1, math.floor(young_daly_interval_s(cost_s, mtbf_s) / iter_s))
@@ -162,27 +177,76 @@ def checkpoint_cost_s(profile: Profile, stall_s: float) -> float:
     return max(stall_s, profile.interference_s)
 
 
+MAX_OVERHEAD = 0.15  # the default hard cap on overhead when losses ask for more checkpoints than p allows
+
+
+def expected_goodput(profile: Profile, stall_s: float, k: int, *, loss_rate_per_s: float, restart_s: float) -> float:
+    """G(k): the share of wall time that becomes kept progress at interval k (module doc)."""
+    overhead = interval_overhead(profile, stall_s, k)
+    period_s = k * profile.iter_s * (1 + overhead)
+    return max(0.0, 1.0 - loss_rate_per_s * (restart_s + period_s / 2)) / (1 + overhead)
+
+
+def goodput_k(profile: Profile, stall_s: float, *, loss_rate_per_s: float, restart_s: float, k_low: int,
+              k_high: int | None = None) -> int:
+    """The k in [k_low, k_high] that maximises ``expected_goodput`` (the smallest of equals).
+    G is unimodal in k: every k near the low end, then a geometric grid, then the
+    neighbourhood of the best point of the grid."""
+    if loss_rate_per_s < 0 or restart_s < 0 or k_low < 1:
+        raise ValueError(f"loss_rate_per_s={loss_rate_per_s!r}, restart_s={restart_s!r}, k_low={k_low!r}: "
+                         "must be >= 0, >= 0 and >= 1")
+    if loss_rate_per_s == 0:
+        return k_high if k_high is not None else max(k_low, persist_interval(profile, stall_s))
+    # Far past Young/Daly's interval at the whole cost of a checkpoint G only falls.
+    reach = 8 * goodput_interval(max(stall_s, checkpoint_cost_s(profile, stall_s), profile.iter_s),
+                                 1 / loss_rate_per_s, profile.iter_s)
+    top = max(k_low, min(k_high, reach) if k_high is not None else reach)
+
+    def value(k: int) -> float:
+        return expected_goodput(profile, stall_s, k, loss_rate_per_s=loss_rate_per_s, restart_s=restart_s)
+
+    grid = set(range(k_low, min(top, k_low + 64) + 1))
+    k = k_low
+    while k < top:
+        k = min(top, max(k + 1, math.ceil(k * 1.05)))
+        grid.add(k)
+    best = max(sorted(grid), key=value)
+    near = range(max(k_low, math.floor(best / 1.05) - 1), min(top, math.ceil(best * 1.05) + 1) + 1)
+    return max(sorted(set(near) | {best}), key=value)
+
+
 def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float | None = None,
-                    k_cap: int | None = None) -> Decision:
-    """CheckFreq's k, never below what the measured cost allows, optionally tightened
-    towards Young/Daly's interval, never above ``k_cap`` (the lost-work bound)."""
+                    k_cap: int | None = None, loss_rate_per_s: float | None = None, restart_s: float = 60.0,
+                    max_overhead: float = MAX_OVERHEAD) -> Decision:
+    """CheckFreq's k, never below what the measured cost allows at p; with a loss rate
+    (``loss_rate_per_s``, or 1 / ``mtbf_s``) the k of the best expected goodput, whose
+    overhead may exceed p up to ``max_overhead``; never above ``k_cap`` (the lost-work bound)."""
     if k_cap is not None and k_cap < 1:
         raise ValueError(f"k_cap={k_cap!r}: must be >= 1")
+    if not 0 < max_overhead < 1:
+        raise ValueError(f"max_overhead={max_overhead!r}: must be a fraction in (0, 1)")
+    max_overhead = max(max_overhead, overhead)  # a cap under p caps nothing
     mode = choose_mode(profile)
     stall = critical_overhead_s(profile, mode)
     cost = checkpoint_cost_s(profile, stall)
     k_min = min_interval(stall, profile.iter_s, overhead)
     k_cost = min_interval(cost, profile.iter_s, overhead)
     k_persist = persist_interval(profile, stall)
-    k = max(k_persist, k_min, k_cost)
-    young_daly_k = None
-    if mtbf_s is not None:
-        young_daly_k = goodput_interval(cost, mtbf_s, profile.iter_s)
-        allowed = smallest_interval_within(profile, stall, overhead)
-        k = max(allowed, min(k, young_daly_k))
+    k, bound = max(k_persist, k_min, k_cost), "p"
+    rate = loss_rate_per_s if loss_rate_per_s is not None else (1 / mtbf_s if mtbf_s is not None else None)
+    young_daly_k = goodput = None
+    # No loss seen and none stated: p holds. Losses seen, none of which needed a checkpoint
+    # (rate 0: notices that kept everything): as few checkpoints as the lost-work bound allows.
+    if rate is not None and (rate > 0 or k_cap is not None):
+        young_daly_k = goodput_interval(cost, 1 / rate, profile.iter_s) if rate > 0 else None
+        k_low = smallest_interval_within(profile, stall, max_overhead)
+        k = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=k_low, k_high=k_cap)
+        best_unbounded = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=1, k_high=k_cap)
+        bound = "cap" if k == k_low and best_unbounded < k_low else "goodput"
+        goodput = expected_goodput(profile, stall, k, loss_rate_per_s=rate, restart_s=restart_s)
     k_uncapped = None
     if k_cap is not None and k > k_cap:
-        k, k_uncapped = k_cap, k
+        k, k_uncapped, bound = k_cap, k, "lost_work"
     return Decision(
         mode=mode,
         k=k,
@@ -196,6 +260,8 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
         k_cost=k_cost,
         k_cap=k_cap,
         k_uncapped=k_uncapped,
+        bound=bound,
+        expected_goodput=goodput,
     )
 
 

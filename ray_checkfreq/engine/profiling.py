@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -221,11 +222,11 @@ class ProfilingWindow:
                        compress=measured.codec == "rcfz", interference_s=measured.interference_s, **gpu)
 
     def decide(self, measured: Measured, gpu: dict[str, Any], overhead: float,
-               mtbf_s: float | None, k_cap: int | None = None) -> tuple[Profile, Decision]:
+               options: Mapping[str, Any], k_cap: int | None = None) -> tuple[Profile, Decision]:
         """The profile and k from ``measured``; the conservative k where what the warm
         checkpoints cost on average would put the chosen k above p."""
         profile = self.profile(measured, gpu)
-        decision = choose_interval(profile, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+        decision = choose_interval(profile, overhead=overhead, k_cap=k_cap, **options)
         mean = self.mean_cost_s(measured.codec)
         median = statistics.median(sample.interference_s for sample in self.samples.get(measured.codec, [measured]))
         spent = min(mean, conservative_bound(median, iter_s=profile.iter_s))
@@ -234,7 +235,7 @@ class ProfilingWindow:
         if not self.conservative[measured.codec]:
             return profile, decision
         self.bounded[measured.codec] = self.bounded.get(measured.codec, False) or spent < mean
-        return heavier, choose_interval(heavier, overhead=overhead, mtbf_s=mtbf_s, k_cap=k_cap)
+        return heavier, choose_interval(heavier, overhead=overhead, k_cap=k_cap, **options)
 
     def mean_cost_s(self, codec: str) -> float:
         """What the warm checkpoints of ``codec`` cost training on average: the overhead

@@ -148,4 +148,5 @@ def report(s: EngineStats, policy: PolicyNow, *, iteration: int, k_applied: int 
         "k_changes": list(s.k_changes),
         "expected_lost_s": decision.expected_lost_s if decision else None,
         "young_daly_k": decision.young_daly_k if decision else None,
+        "k_bound": decision.bound if decision else None,  # what set the policy's k: p, goodput, cap, lost_work
     }

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig
+from ray_checkfreq.engine.policy import MAX_OVERHEAD
 from ray_checkfreq.ray.names import NAMESPACE, policy_name
 from ray_checkfreq.ray.shared_policy import IterationReport, PersistReport, SharedPolicy, SharedPolicyConfig
 
@@ -47,13 +48,16 @@ class PolicyActor:
             threading.Thread(target=self._watch_lease, name="rcf-policy-lease", daemon=True).start()
 
     def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float, overhead: float,
-              adaptive: dict, k_cap: int | None = None, cost_s: float = 0.0) -> int:
+              adaptive: dict, k_cap: int | None = None, cost_s: float = 0.0, max_overhead: float = MAX_OVERHEAD,
+              restart_s: float = 60.0, lost_work: bool = True) -> int:
         self._renewed = time.monotonic()
-        config = SharedPolicyConfig(overhead=overhead, adaptive=AdaptiveConfig(**adaptive))
+        config = SharedPolicyConfig(overhead=overhead, adaptive=AdaptiveConfig(**adaptive), max_overhead=max_overhead,
+                                    restart_s=restart_s)
         if self._policy is None or self._policy.config != config:
             self._policy = SharedPolicy(config)
         return self._policy.start(generation=generation, world_size=world_size, k=k, k_floor=k_floor,
-                                  iter_s=iter_s, k_cap=k_cap, cost_s=cost_s, now_s=time.monotonic())
+                                  iter_s=iter_s, k_cap=k_cap, cost_s=cost_s, now_s=time.monotonic(),
+                                  lost_work=lost_work)
 
     def record_iterations(self, generation: int, rank: int, rows: list[tuple[int, float, float, bool]]) -> None:
         self._renewed = time.monotonic()

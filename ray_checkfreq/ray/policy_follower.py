@@ -18,6 +18,7 @@ class PolicyFollower:
         self.link = link
         self.decisions: list[dict] = []  # each new decision of the policy actor
         self._version = -1
+        self.lost_work = True  # False when this attempt resumed from a notice checkpoint that kept everything
 
     def after_step(self, engine: Any, *, world_size: int, generation: int | None) -> None:
         link = self.link
@@ -26,7 +27,8 @@ class PolicyFollower:
                 link.start(world_size=world_size, k=engine.decision.k, k_floor=engine.decision.k_floor,
                            iter_s=engine.profile.iter_s, overhead=engine.config.overhead,
                            adaptive=asdict(engine.config.adaptive_config), k_cap=engine.decision.k_cap,
-                           cost_s=engine.decision.cost_s)
+                           cost_s=engine.decision.cost_s, max_overhead=engine.config.max_overhead,
+                           restart_s=engine.config.restart_s, lost_work=self.lost_work)
             return
         decision = link.poll()
         if (decision is None or decision.get("generation") != generation or decision.get("k") is None

@@ -260,6 +260,8 @@ class CheckFreq:
         self.restore_info = restored.info
         if self._registrar is not None:
             self._registrar.start(restored.iteration, restored.committed_step)
+        if self._follower is not None:  # a notice that kept everything is no loss that needs a checkpoint
+            self._follower.lost_work = restored.info.get("lost_after_notice") != 0
         if self.metrics is not None:
             self.metrics.record_restore(restored.info["kind"], restored.info.get("lost_after_notice"))
         return restored.iteration

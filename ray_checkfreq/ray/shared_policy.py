@@ -15,11 +15,16 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
   The need is the slowest of the last ``persist_memory`` (2) persists, so it falls again once
   persists are quick, and the adaptive rate then brings k down step by step.
 - k never exceeds the engine's lost-work bound (``k_cap``), whatever the persists need.
-- the restarts it sees (a ``start`` of a newer generation) give the run's preemption rate
-  (``policy.mtbf_estimate``); with the engine's measured cost of one checkpoint, Young/Daly's
-  goodput-optimal interval (``policy.goodput_interval``) is another floor under k: where
-  preemptions are rare the run checkpoints less often than p allows. It is evaluated at
-  each start and each persist.
+- the restarts it sees (a ``start`` of a newer generation) give the run's rate of losses
+  that need a checkpoint (``policy.mtbf_estimate``; a restart after a notice whose
+  checkpoint kept everything, ``lost_work=False``, is not one of them) and the restart cost
+  (the time from the last report of the previous generation to the new start: at most one
+  checkpoint interval over). Once a loss was seen, k is the one of the best expected
+  goodput (``policy.choose_interval`` with that rate, the engine's measured checkpoint cost
+  and the slowest recent persist): fewer checkpoints than p allows where losses are rare,
+  more where they are frequent, overhead then up to ``max_overhead``; the adaptive rate
+  then holds k to that overhead instead of p. It is evaluated at each start and persist;
+  ``history`` names what set each k ("profile", "overhead", "persist", "goodput", "cap").
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
 agent of a group that was replaced) is ignored. ``start`` with the same world size keeps
@@ -35,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ray_checkfreq.engine.adaptive import AdaptiveConfig, AdaptiveRate
-from ray_checkfreq.engine.policy import goodput_interval, mtbf_estimate
+from ray_checkfreq.engine.policy import MAX_OVERHEAD, Decision, Profile, choose_interval, mtbf_estimate
 
 PENDING_LIMIT = 4096  # iterations waiting for the other ranks' reports, at most
 
@@ -67,6 +72,8 @@ class SharedPolicyConfig:
     persist_margin: float = 1.25
     persist_memory: int = 2
     adaptive: AdaptiveConfig = AdaptiveConfig()
+    max_overhead: float = MAX_OVERHEAD
+    restart_s: float = 60.0  # a restart's cost until one is measured
 
     def __post_init__(self) -> None:
         if not 0 < self.overhead < 1:
@@ -75,6 +82,10 @@ class SharedPolicyConfig:
             raise ValueError(f"persist_margin={self.persist_margin!r}: must be >= 1")
         if self.persist_memory < 1:
             raise ValueError(f"persist_memory={self.persist_memory!r}: must be >= 1")
+        if not 0 < self.max_overhead < 1:
+            raise ValueError(f"max_overhead={self.max_overhead!r}: must be a fraction in (0, 1)")
+        if not self.restart_s >= 0:
+            raise ValueError(f"restart_s={self.restart_s!r}: must be seconds >= 0")
 
 
 class SharedPolicy:
@@ -92,15 +103,20 @@ class SharedPolicy:
         self._last_iteration = 0
         self._aggregated = 0
         self._restarts = 0
+        self._k_cap: int | None = None  # the engine's lost-work bound (None: none)
+        self._lossy_restarts = 0  # restarts that lost work (not a notice's that kept everything)
+        self._restart_s: float | None = None  # the last restart's measured cost
+        self._last_seen_s = 0.0  # the newest report's clock
         self._first_start_s: float | None = None
         self._cost_s = 0.0  # what one checkpoint costs training, as the engine measured it
         self._now_s = 0.0
 
     # ------------------------------------------------------------------ start
     def start(self, *, generation: int, world_size: int, k: int, k_floor: int, iter_s: float,
-              k_cap: int | None = None, cost_s: float = 0.0, now_s: float = 0.0) -> int:
+              k_cap: int | None = None, cost_s: float = 0.0, now_s: float = 0.0, lost_work: bool = True) -> int:
         """Rank 0's engine has its policy (profiled or cached): the k every rank uses now.
-        ``cost_s``: what one checkpoint costs training; ``now_s``: a monotonic clock."""
+        ``cost_s``: what one checkpoint costs training; ``now_s``: a monotonic clock;
+        ``lost_work``: False after a notice whose checkpoint kept everything."""
         if generation < self.generation:
             raise ValueError(f"generation {generation} is older than this run's {self.generation}")
         if k < 1 or k_floor < 1 or not iter_s > 0 or world_size < 1 or cost_s < 0:
@@ -110,7 +126,11 @@ class SharedPolicy:
             self._first_start_s = now_s
         elif generation > self.generation:
             self._restarts += 1
+            self._lossy_restarts += bool(lost_work)
+            self._restart_s = max(0.0, now_s - self._last_seen_s)
         self._now_s, self._cost_s = max(self._now_s, now_s), cost_s
+        self._last_seen_s = max(self._last_seen_s, now_s)
+        self._k_cap = k_cap
         previous = self._rate if world_size == self.world_size else None
         self.generation, self.world_size = generation, world_size
         self._pending.clear()
@@ -148,6 +168,7 @@ class SharedPolicy:
         self._persists.append(report)
         if now_s is not None:
             self._now_s = max(self._now_s, now_s)
+            self._last_seen_s = max(self._last_seen_s, now_s)
         self._apply_floor()
 
     def _aggregate(self, iteration: int, by_rank: dict[int, IterationReport]) -> None:
@@ -170,26 +191,41 @@ class SharedPolicy:
         return max(1, math.ceil(round(self.config.persist_margin * slowest / self._iter_ref_s, 9)))
 
     def mtbf_s(self) -> float | None:
-        """The run's mean time between preemptions as observed (``policy.mtbf_estimate``)."""
+        """The run's mean time between losses that need a checkpoint, as observed
+        (``policy.mtbf_estimate``); None before it started."""
         if self._first_start_s is None:
             return None
-        return mtbf_estimate(self._now_s - self._first_start_s, self._restarts)
+        return mtbf_estimate(self._now_s - self._first_start_s, self._lossy_restarts)
 
-    def goodput_k(self) -> int:
-        """Young/Daly's k at the observed preemption rate and the engine's checkpoint cost."""
-        mtbf = self.mtbf_s()
-        if mtbf is None or self._cost_s <= 0:
-            return 1
-        return goodput_interval(self._cost_s, mtbf, self._iter_ref_s)
+    def goodput_decision(self) -> Decision | None:
+        """The policy's choice at the observed loss rate; None before a loss was seen."""
+        mtbf, rate = self.mtbf_s(), self._rate
+        if mtbf is None or self._restarts == 0 or rate is None:
+            return None
+        slowest = max((p.seconds for p in self._persists), default=0.0)
+        profile = Profile(iter_s=self._iter_ref_s, update_s=self._iter_ref_s, cpu_copy_s=0.0, persist_s=slowest,
+                          size_bytes=0, interference_s=self._cost_s)
+        restart_s = self._restart_s if self._restart_s is not None else self.config.restart_s
+        return choose_interval(profile, overhead=self.config.overhead, k_cap=self._k_cap,
+                               loss_rate_per_s=self._lossy_restarts and 1 / mtbf, restart_s=restart_s,
+                               max_overhead=self.config.max_overhead)
 
     def _apply_floor(self) -> None:
         rate = self._rate
         assert rate is not None
-        need, goodput = self.persist_need(), self.goodput_k()
-        floor = min(rate.k_cap, max(self._base_floor, need, goodput))
+        decision = self.goodput_decision()
+        if decision is not None and decision.bound != "p":
+            k = max(decision.k, min(rate.k_cap, self.persist_need()))
+            rate.overhead = max(self.config.overhead, decision.expected_overhead)
+            if rate.k != k:
+                rate.restart_at(k, k_floor=k)
+                self._changed(rate.k, decision.bound)
+            return
+        need = self.persist_need()
+        floor = min(rate.k_cap, max(self._base_floor, need))
         if rate.k < floor:
             rate.restart_at(floor, k_floor=floor)
-            self._changed(rate.k, "goodput" if goodput >= need and goodput > self._base_floor else "persist")
+            self._changed(rate.k, "persist")
         else:
             rate.k_floor = floor  # k may come down to it again, no lower
 
@@ -216,6 +252,6 @@ class SharedPolicy:
             "iter_ref_s": self._iter_ref_s,
             "restarts": self._restarts,
             "mtbf_s": self.mtbf_s(),
-            "goodput_k": self.goodput_k(),
+            "goodput_k": decision.k if (decision := self.goodput_decision()) is not None else None,
         }
 
