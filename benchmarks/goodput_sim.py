@@ -15,8 +15,8 @@ no restart, no loss) makes on the same nodes: ``sum(n(t) / (full_nodes * iter_s)
 
 Methods (``Method.kind``):
 - ``checkfreq``: a snapshot to RAM every k iterations (the stall), persisted beside training;
-  k from the library's policy (``engine.policy.choose_interval`` at overhead p, raised to
-  Young/Daly's at the preemption rate observed so far, as the run-wide policy does;
+  k from the library's policy (``engine.policy.choose_interval``: p's k, then the k of the
+  best expected goodput at the loss rate observed so far, as the run-wide policy does;
   chosen at each restart), or fixed (``every``: the oracle's sweep). A
   preemption falls back to the newest snapshot while any node of the job survives (the
   node agents' RAM copies), else to the newest one persisted; a notice long enough for
@@ -34,7 +34,7 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
-from ray_checkfreq.engine.policy import Profile, choose_interval, goodput_interval, mtbf_estimate
+from ray_checkfreq.engine.policy import Profile, choose_interval, lost_work_cap, mtbf_estimate
 
 KINDS = ("checkfreq", "async", "sync", "epoch", "none")
 GB = 1e9
@@ -58,6 +58,9 @@ class Costs:
     # An iteration on n of full_nodes takes iter_s * (full_nodes / n) ** scaling: 1, a fixed
     # global batch bound by compute; 0, a step no node count shortens (the replay's, a sleep).
     scaling: float = 1.0
+    # The restart after the n-th preemption takes restarts_s[n - 1] (a replay's measured ones),
+    # restart_s past its end and at a resize; the restore apart in both.
+    restarts_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("iter_s", "state_gb", "storage_gbps", "snapshot_gbps", "serialize_gbps", "ram_restore_gbps"):
@@ -67,6 +70,8 @@ class Costs:
             raise ValueError(f"scaling={self.scaling!r}: must be in [0, 1]")
         if self.restart_s < 0 or self.notice_s < 0:
             raise ValueError("restart_s and notice_s must be >= 0")
+        if any(not seconds >= 0 for seconds in self.restarts_s):
+            raise ValueError(f"restarts_s={self.restarts_s!r}: each must be >= 0")
         if self.epoch_iterations < 1 or not 0 < self.overhead < 1:
             raise ValueError("epoch_iterations must be >= 1 and overhead in (0, 1)")
 
@@ -139,15 +144,18 @@ class Outcome:
 
 def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int) -> int:
     """The library policy's k for these costs on ``nodes`` of ``full_nodes`` (the copy not
-    hidden by the update): p's k, raised to Young/Daly's at the observed preemption rate
-    as the run-wide policy does (ray/shared_policy.py)."""
+    hidden by the update), as the run-wide policy decides it (ray/shared_policy.py): p's k
+    until a loss was seen; then the k of the best expected goodput at the observed rate of
+    losses that need a checkpoint (none where the notice covers a snapshot: those keep
+    everything), within the hard cap on overhead and the lost-work bound."""
     iteration_s = costs.iter_s * full_nodes / nodes
     profile = Profile(iter_s=iteration_s, update_s=iteration_s, cpu_copy_s=costs.snapshot_s(nodes),
                       persist_s=costs.upload_s, size_bytes=int(costs.share_gb(nodes) * GB))
-    decision = choose_interval(profile, overhead=costs.overhead)
-    if mtbf_s is None:
-        return decision.k
-    return max(decision.k, goodput_interval(decision.cost_s, mtbf_s, iteration_s))
+    rate = None if mtbf_s is None else (0.0 if costs.notice_s >= costs.snapshot_s(nodes) else 1 / mtbf_s)
+    k_cap = lost_work_cap(costs.epoch_iterations, 0.25, iter_s=iteration_s, floor_s=10.0)  # the engine's default
+    restart_s = costs.restart_s + costs.share_gb(nodes) / costs.ram_restore_gbps  # as a run measures it
+    return choose_interval(profile, overhead=costs.overhead, loss_rate_per_s=rate, restart_s=restart_s,
+                           k_cap=k_cap).k
 
 
 @dataclass
@@ -247,9 +255,10 @@ class _Job:
         """Whether the elastic monitor would restart the job now onto more nodes."""
         return not self.waiting and self.restart_left <= 0 and self.nodes < min(live, self.fleet.full_nodes)
 
-    def restart(self, now: float, live: int, mtbf_s: float | None) -> None:
-        """A preemption or a resize: back to the newest recoverable iteration, then a restart
-        on the ``live`` nodes (a loss while restarting begins the restart again)."""
+    def restart(self, now: float, live: int, mtbf_s: float | None, *, preemption: int | None = None) -> None:
+        """A preemption (the ``preemption``-th, from 1) or a resize: back to the newest
+        recoverable iteration, then a restart on the ``live`` nodes (a loss while restarting
+        begins the restart again)."""
         survivors = min(self.nodes, live)
         back, from_ram = self.recoverable(now, survivors)
         self.from_ram = from_ram
@@ -260,7 +269,11 @@ class _Job:
         if self.interval() is not None and back > 0:
             restore_s = (self.costs.share_gb(max(1, min(self.nodes, live))) / self.costs.ram_restore_gbps if from_ram
                          else self.costs.state_gb / self.costs.storage_gbps)
-        self.restart_left = self.costs.restart_s + restore_s
+        given = self.costs.restarts_s
+        restart_s = self.costs.restart_s
+        if preemption is not None and preemption <= len(given):
+            restart_s = given[preemption - 1]
+        self.restart_left = restart_s + restore_s
         self.start_attempt(now, live, mtbf_s)
 
     def start_attempt(self, now: float, live: int, mtbf_s: float | None) -> None:
@@ -306,7 +319,7 @@ def simulate(fleet: Fleet, method: Method, costs: Costs) -> Outcome:
             break
         if removed and started and not job.waiting:  # running or restarting: preempted
             preemptions += 1
-            job.restart(now, live_after, mtbf_estimate(now - first_start, preemptions))
+            job.restart(now, live_after, mtbf_estimate(now - first_start, preemptions), preemption=preemptions)
         elif live_after >= fleet.min_nodes and (not started or job.waiting):  # (re)starts on enough nodes
             if not started:
                 started, first_start = True, now
