@@ -226,7 +226,7 @@ def _step_s_by_world(attempts: list[dict]) -> dict[int, float]:
     first 3 steps left out (warm-up)."""
     gaps: dict[int, list[float]] = {}
     for attempt in attempts:
-        times = attempt["step_times"][3:]
+        times = [step["t"] for step in attempt["steps"][3:]]
         world = int(attempt["start"].get("world") or 0)
         gaps.setdefault(world, []).extend(b - a for a, b in zip(times, times[1:]))
     return {world: round(sorted(g)[len(g) // 2], 4) for world, g in sorted(gaps.items()) if g}
@@ -258,7 +258,7 @@ def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
         if event["event"] == "start":
             ranks = [line for line in timelines if abs(line["t_start"] - event["t"]) < 5.0]
             attempts.append({"start": event, "ranks": ranks, "first_step": None, "reached": event["iteration"],
-                             "running_s": 0.0, "last_t": None, "step_times": []})
+                             "running_s": 0.0, "last_t": None, "steps": []})
         elif event["event"] == "step" and attempts:
             current = attempts[-1]
             if current["first_step"] is None:
@@ -266,7 +266,7 @@ def _attempts(log: list[dict], timelines: list[dict]) -> list[dict]:
             else:
                 current["running_s"] += event["t"] - current["last_t"]
             current["last_t"] = event["t"]
-            current["step_times"].append(event["t"])
+            current["steps"].append(event)
             current["reached"] = max(current["reached"], event["iteration"])
     return attempts
 
@@ -322,35 +322,76 @@ def table(rows: list[dict]) -> str:
 def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule, job: ReplayJob, *,
                 rate: float, max_nodes: int, notice_s: float = 0.0) -> list[dict]:
     """The model on the replayed slice, fed with each method's measured costs: its goodput
-    beside the measured one."""
-    fleet = Fleet(_replayed_instants(schedule), full_nodes=max_nodes, end_s=schedule.duration_s,
-                  resize_check_s=RESIZE_MONITOR_S)
+    beside the measured one. Per method, from its own run: the node losses and additions
+    at the times the driver made them, each restart's seconds (a node loss to the next
+    step, the restore apart; the model begins a restart again at a loss during one), the
+    stall per checkpoint, the restore, ours' k as the job logged it, and the step (the
+    machine's load moves it from run to run). The job's step is a sleep and little
+    compute, as long on any world size: scaling 0. Goodput as the replay counts it: the
+    iterations kept over the reference's rate times the run's seconds."""
     state_gb = job.state_mb * MiB / 1e9
     out = []
     for row in rows:
-        variant = row["variant"]
+        variant, run = row["variant"], runs[row["variant"]]
+        fleet = Fleet(_driver_instants(run, schedule.initial_nodes), full_nodes=max_nodes, end_s=row["seconds"],
+                      resize_check_s=RESIZE_MONITOR_S)
         recoveries = row["recoveries"]
         restore = max(_mean([r["restore_s"] for r in recoveries]) or 0.0, 1e-3)
-        stall = max(_checkpoint_stall(runs[variant]["log"], variant, job), 1e-5)
+        stall = max(_checkpoint_stall(run["log"], variant, job), 1e-5)
         upload = min(restore, stall / 2)
-        # the model begins a restart again at each loss during one: one restart's cost is
-        # measured where no loss came before the next step
-        clean = [r for r in recoveries if not r.get("hit")] or recoveries
-        # the job's step is a sleep and little compute: as long on any world size (scaling 0;
-        # figures' step_s_by_world shows it)
-        costs = Costs(iter_s=1.0 / rate, scaling=0.0, state_gb=state_gb,
+        clean = [r["to_next_step_s"] - r["restore_s"] for r in recoveries if not r.get("hit")]
+        mean_restart_s = _mean(clean or [r["to_next_step_s"] - r["restore_s"] for r in recoveries]) or 0.0
+        step_s = _mean_step_s(_attempts(run["log"], [])) or 1.0 / rate
+        costs = Costs(iter_s=step_s, scaling=0.0, state_gb=state_gb,
                       storage_gbps=state_gb / upload, ram_restore_gbps=state_gb / restore,
                       snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
-                      restart_s=_mean([r["to_next_step_s"] - r["restore_s"] for r in clean]) or 0.0,
+                      restart_s=mean_restart_s, restarts_s=_restarts_s(run, mean_restart_s),
                       epoch_iterations=job.epoch_len, overhead=job.overhead, notice_s=notice_s)
-        every = {"sync": job.every, "async": job.every, "ours": _interval(runs[variant]["log"])}.get(variant)
+        every = {"sync": job.every, "async": job.every, "ours": _interval(run["log"])}.get(variant)
         method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant), every=every)
         modelled = simulate(fleet, method, costs)
-        out.append({"variant": variant, "measured": row["goodput"], "model": round(modelled.goodput, 4),
-                    "points": None if row["goodput"] is None else round(100 * (modelled.goodput - row["goodput"]), 1),
+        goodput = modelled.iterations / (rate * row["seconds"]) if rate > 0 and row["seconds"] > 0 else 0.0
+        out.append({"variant": variant, "measured": row["goodput"], "model": round(goodput, 4),
+                    "points": None if row["goodput"] is None else round(100 * (goodput - row["goodput"]), 1),
                     "model_recomputed": round(modelled.lost_iterations), "stall_s": round(stall, 4),
-                    "restart_s": round(costs.restart_s, 2), "k": every})
+                    "restart_s": round(mean_restart_s, 2), "restarts_s": list(costs.restarts_s),
+                    "step_s": round(step_s, 4), "k": every})
     return out
+
+
+def _driver_instants(run: dict, initial_nodes: int) -> list[tuple[float, int, int]]:
+    """The node losses and additions of a run as the model's instants, at the times the
+    driver made them (seconds from the first step)."""
+    t0 = next(e["t"] for e in run["driver"] if e["event"] == "first_step")
+    moments: list[tuple[float, int, int]] = [(0.0, 0, initial_nodes)]
+    for event in run["driver"]:
+        if event["event"] in ("remove", "add"):
+            at, removed = max(0.0, event["t"] - t0), int(event["event"] == "remove")
+            if moments[-1][0] == at:
+                moments[-1] = (at, moments[-1][1] + removed, event["nodes"])
+            else:
+                moments.append((at, removed, event["nodes"]))
+    return moments
+
+
+def _restarts_s(run: dict, fallback_s: float) -> tuple[float, ...]:
+    """Each node loss's seconds to the next step, the restore apart (``fallback_s`` for a
+    loss that no attempt followed)."""
+    attempts = _attempts(run["log"], [w for w in run["workers"] if "t_start" in w])
+    removals = [e["t"] for e in run["driver"] if e["event"] == "remove"]
+    seconds = []
+    for t in removals:
+        recovery = _recovery(t, attempts, removals)
+        seconds.append(fallback_s if recovery is None else max(0.0, recovery["to_next_step_s"] - recovery["restore_s"]))
+    return tuple(seconds)
+
+
+def _mean_step_s(attempts: list[dict]) -> float | None:
+    """The mean seconds from a step to the next, its checkpoint call apart, each attempt's
+    first 3 steps left out (warm-up)."""
+    gaps = [b["t"] - a["t"] - b["ckpt_s"] for attempt in attempts
+            for a, b in zip(attempt["steps"][3:], attempt["steps"][4:])]
+    return sum(gaps) / len(gaps) if gaps else None
 
 
 def model_table(rows: list[dict]) -> str:

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks.goodput_replay import ReplayJob, _checkpoint_stall, _interval, _replayed_instants, figures, model_check
+from benchmarks.goodput_replay import (ReplayJob, _checkpoint_stall, _driver_instants, _interval, _replayed_instants,
+                                      figures, model_check)
 from ray_checkfreq.chaos.trace import LocalEvent, LocalSchedule
 
 
@@ -59,13 +60,19 @@ def test_a_step_logged_as_its_node_went_is_not_kept_and_a_hit_restart_is_not_one
     killed["log"].append({"t": 130.0, "event": "start", "iteration": 40})
     assert figures(killed, reference_rate=10.0)["iterations_kept"] == 40
     hit = _run()  # a second node goes while the job restarts: the first restart began again
-    hit["driver"].insert(2, {"t": 105.0, "event": "remove", "node": "c"})
+    hit["driver"][1]["nodes"] = 2
+    hit["driver"].insert(2, {"t": 105.0, "event": "remove", "node": "c", "nodes": 1})
     first, second = figures(hit, reference_rate=10.0)["recoveries"]
     assert first["hit"] and not second["hit"] and second["to_next_step_s"] == pytest.approx(113.1 - 105.0)
-    schedule = LocalSchedule(initial_nodes=2, peak_live=2, duration_s=16.0, events=[])
+    schedule = LocalSchedule(initial_nodes=3, peak_live=3, duration_s=16.0, events=[])
     rows = [figures(hit, reference_rate=10.0)]
-    (modelled,) = model_check(rows, {"ours": hit}, schedule, ReplayJob(), rate=10.0, max_nodes=2)
+    (modelled,) = model_check(rows, {"ours": hit}, schedule, ReplayJob(), rate=10.0, max_nodes=3)
     assert modelled["restart_s"] == pytest.approx(113.1 - 105.0 - 0.5)  # the clean one, its restore apart
+    # the model gets each loss at the driver's time and its own restart, the restore apart
+    assert _driver_instants(hit, 3) == [(0.0, 0, 3), (pytest.approx(3.4), 1, 2), (pytest.approx(4.9), 1, 1)]
+    assert modelled["restarts_s"] == pytest.approx([113.1 - 103.5 - 0.5, 113.1 - 105.0 - 0.5])
+    # a step's own time is the gap to the one before less its checkpoint call (0.05 s at each 10th)
+    assert modelled["step_s"] == pytest.approx((2 * 26 * 0.1 - 6 * 0.05) / 52, abs=1e-4)
 
 
 def test_ours_k_is_the_one_the_job_logged_else_the_span_between_its_snapshots() -> None:

@@ -139,3 +139,13 @@ def test_a_loss_during_a_restart_begins_the_restart_again_and_loses_nothing_more
     ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
     assert ours.lost_iterations == pytest.approx(100 * 10 / 10.1 - 90)
     assert ours.iterations == pytest.approx(90 + (1000 - 110 - 30.1) * 10 / 10.1)
+
+
+def test_each_restart_can_take_its_own_measured_seconds() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 2), (300.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    measured = Costs(**{**COSTS.__dict__, "restarts_s": (10.0, 50.0)})
+    none = simulate(fleet, Method(name="none", kind="none"), measured)
+    assert none.restart_s == pytest.approx(10 + 50)
+    assert none.lost_iterations == pytest.approx(100 + 190) and none.iterations == pytest.approx(1000 - 350)
+    with pytest.raises(ValueError, match="restarts_s=.*-1"):
+        Costs(restarts_s=(-1.0,))
