@@ -6,6 +6,11 @@ a persist that started finishes even if the rank that asked for it dies. Slot fi
 named by run, node and agent incarnation, and removed by the agent that made them; files
 of dead agents are swept by creator pid and start time (``slots.sweep_leftovers``).
 
+Lifetime: an agent (detached) outlives worker-group restarts. ``CheckFreqCallback`` ends it
+when ``fit()`` returns or fails; otherwise, as after ``ray job stop`` (no controller hook
+runs), its lease is its time to live: once no rank renewed it for ``lease_s``, it removes
+its slot files and exits, and until then a resubmitted run resumes from its slots.
+
 Invariant: one persist in flight per agent; a persist writes under the writer generation
 the request carries, so a persist of an older generation than the store's newest fails
 (fenced) instead of overwriting a newer run's view.
