@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                          help="announce the interruption this many seconds ahead (EC2: 120), then kill the node "
                               "at the deadline; without it the node is killed now")
     preempt.set_defaults(func=_preempt)
-    stop = actions.add_parser("down", help="stop every process it started (never `ray stop`)")
+    stop = actions.add_parser("down", help="stop every process of the cluster, its nodes' agents included "
+                                           "(never `ray stop`)")
     stop.add_argument("--dir", required=True)
     stop.set_defaults(func=_down)
     return parser
