@@ -173,14 +173,17 @@ def _faults(config: dict, work_dir: str, rank: int, cf: Any) -> None:
 
 
 def _hold_stop_persist(work_dir: str, cf: Any, seconds: float) -> None:
-    """Rank 0 planned the notice's stop (at a later step() than this one): the other nodes'
-    agents hold the persist of that step, and only that one, for ``seconds``."""
+    """Rank 0 planned the notice's checkpoints (at a later step() than this one): the other
+    nodes' agents hold the persist of the first of them (the notice checkpoint's, else the
+    stop's), and the later ones, for ``seconds``."""
     from ray_checkfreq.chaos import holds
     from ray_checkfreq.ray.agent import live_agents
 
     others = {node: handle for node, handle in live_agents(cf.run).items() if node != cf.node_id}
-    holds.arm(_holds_dir(work_dir), "persist", hold_s=seconds, from_step=cf.engine.stop_at, nodes=others)
-    log(work_dir, 0, event="stop-planned", iteration=cf.iteration, stop=cf.engine.stop_at, held=sorted(others))
+    first = cf._preemption.notice_checkpoint or cf.engine.stop_at
+    holds.arm(_holds_dir(work_dir), "persist", hold_s=seconds, from_step=first, nodes=others)
+    log(work_dir, 0, event="stop-planned", iteration=cf.iteration, stop=first, planned_stop=cf.engine.stop_at,
+        held=sorted(others))
 
 
 def _check_pointers(work_dir: str, cf: Any) -> None:

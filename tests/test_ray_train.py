@@ -199,10 +199,11 @@ def drain(cluster, node_id: str, deadline_s: float) -> None:
 
 
 def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(reference, train_nodes, tmp_path):
-    """Rank 0's node is drained (3 s deadline). Once rank 0 has planned the stop, the other
-    node's agent holds the persist of that step, and only that step, for 2 s; rank 0's node is
-    removed while it is in flight, before the deadline. The other agent still commits the
-    stop iteration under the first attempt's writer generation, and the restart begins there."""
+    """Rank 0's node is drained (3 s deadline). Once rank 0 has planned the notice's
+    checkpoints, the other node's agent holds the persist of the first (the notice
+    checkpoint) for 2 s; rank 0's node is removed while it is in flight, before the deadline.
+    The other agent still commits that step under the first attempt's writer generation, and
+    the restart begins there."""
     from ray_checkfreq import CheckpointStore
     from ray_checkfreq.ray.agent import live_agents
     from ray_checkfreq.ray.names import run_key
@@ -252,11 +253,13 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
     assert first[0].created_unix_ns > seen["removed_ns"]
     starts = events(work_dir, 0, "start")
     assert len(starts) == 2
-    # Every rank blocked inside cf.step() of the stop iteration, before logging it.
+    # The restart began at the notice's first checkpoint; no rank trained past the planned stop.
     trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
-    assert starts[1]["iteration"] == stop == trained + 1
-    # Rank 0 never confirmed the stop (its node was gone first): the notice was recorded when planned.
-    assert starts[1]["restore"]["lost_after_notice"] == 0
+    assert starts[1]["iteration"] == stop <= trained + 1
+    # Rank 0 never confirmed the stop (its node was gone first): the notice was recorded when
+    # planned, and the restart counts at most what was trained after its checkpoint.
+    lost = starts[1]["restore"]["lost_after_notice"]
+    assert lost is not None and lost >= trained + 1 - stop
     assert_same_weights(final_weights(work_dir), reference)
 
 
