@@ -1,5 +1,6 @@
 """The Lightning runs the integration tests make: a tiny float64 MLP with dropout, a StepLR,
-validation that draws the global RNG, and callbacks that record, crash and SIGKILL.
+validation and the training's start drawing the global RNG, and callbacks that record, crash
+and SIGKILL.
 
 ``train_ray`` is the Ray Train worker function (Ray's Lightning guide: RayDDPStrategy,
 RayLightningEnvironment, prepare_trainer, RayTrainReportCallback and its
@@ -43,6 +44,11 @@ class TinyModule(pl.LightningModule):
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def on_train_start(self) -> None:
+        # The global RNG as training starts: a resumed fit runs it again after the restore,
+        # before its first batch, and the restored RNG states must be set again after it.
+        self.start_noise = float(torch.rand(()))
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y, _ = batch

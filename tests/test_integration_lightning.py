@@ -10,6 +10,7 @@ resumed attempt's first batch at the iteration the checkpoint says.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 import warnings
@@ -86,7 +87,7 @@ SCENARIOS = [
 
 
 @pytest.mark.parametrize("every, crash_at, resumes_at, where", SCENARIOS)
-def test_resume_is_exact(tmp_path, uninterrupted, every, crash_at, resumes_at, where, capsys):
+def test_resume_is_exact(tmp_path, uninterrupted, every, crash_at, resumes_at, where, capsys, caplog):
     full, full_state = uninterrupted[every]
     _, first, _, _, crashed = run(tmp_path, every=every, crash_at=crash_at)
     assert crashed
@@ -98,6 +99,10 @@ def test_resume_is_exact(tmp_path, uninterrupted, every, crash_at, resumes_at, w
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("ray_checkfreq:")] == \
         [f"ray_checkfreq: CheckFreqLightningCallback resumed at step {resumes_at} (epoch {epoch}, batch {batch} of it)"]
 
+    # Each checkpoint completed by the data's fetch hook as the next batch starts (never by
+    # the engine's fallback at the next optimizer step, which warns).
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("ray_checkfreq")
+            and r.levelno >= logging.WARNING] == []
     # (a) the resumed attempt starts at the checkpoint's iteration, at the batch the full run had there
     assert second.batches[0][0] == resumes_at
     assert second.batches[0][:3] == full.batches[resumes_at][:3]
