@@ -247,6 +247,30 @@ def test_a_preemption_without_restart_loses_nothing():
                                                                                     ("node", True, 1)]
 
 
+def test_the_iterations_lost_after_each_notice_are_reported():
+    events = [dict(e, kind="notice") if e["event"] == "inject" else e for e in _log()]
+    for event in events:
+        if event["event"] == "start" and event["attempt"] == 2:
+            event["restore"] = {"kind": "slot", "lost_after_notice": 0}
+    totals = report.build_report(events, identical=True)
+    assert totals["detail"]["preemptions"][0]["lost_after_notice"] == 0
+    assert "iterations lost after each notice (None: not counted): 0" in report.describe(totals)
+
+
+def test_the_cpu_hog_spins_beside_the_block_and_ends_with_it():
+    import multiprocessing
+
+    from ray_checkfreq.chaos.hog import cpu_hog
+
+    with cpu_hog(2):
+        hogs = [p for p in multiprocessing.active_children() if p.name.startswith("rcf-hog-")]
+        assert len(hogs) == 2 and all(p.is_alive() for p in hogs)
+    assert not any(p.is_alive() for p in hogs)
+    with pytest.raises(ValueError, match="processes=-1"):
+        with cpu_hog(-1):
+            pass
+
+
 def test_timeline_png_is_written(tmp_path):
     events = _log()
     out = tmp_path / "t.png"

@@ -71,6 +71,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--compression", type=float, default=60.0, help="trace seconds per replayed second (default 60)")
     add("--notice-s", type=float, default=0.0,
         help="with --trace: replayed seconds of drain notice before each loss (kind notice; default 0: none)")
+    add("--hog", type=int, default=0, metavar="N",
+        help="N processes spinning on the CPU beside the run, as on a shared node (default 0)")
     add("--json", default=None, metavar="OUT", help="write the report here")
     add("--png", default=None, metavar="OUT", help="draw the timeline here (matplotlib)")
     add("--work-dir", default=None, help="keep the logs, stores and events here (default: a temp dir)")
@@ -128,11 +130,15 @@ def _progress(line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ray_checkfreq.chaos import runner
+    from ray_checkfreq.chaos.hog import cpu_hog
 
     config = config_from_args(args)
-    if args.compare:
-        return _run_compare(runner, config, args)
-    result = runner.run_chaos(config)
+    if args.hog < 0:
+        raise ValueError(f"--hog={args.hog}: must be >= 0")
+    with cpu_hog(args.hog):
+        if args.compare:
+            return _run_compare(runner, config, args)
+        result = runner.run_chaos(config)
     runner.write_outputs(result, json_path=args.json, png_path=args.png, title=_title(config))
     from ray_checkfreq.chaos.report import describe
 

@@ -102,13 +102,15 @@ def preemption_outcomes(events: list[dict], found: list[Attempt]) -> list[dict]:
         restarts = [a for a in found if inject["t"] <= a.started_t < until]
         entry = {"index": inject.get("index", n), "kind": inject["kind"], "t": inject["t"], "t_kill": t_kill,
                  "iteration": inject.get("iteration"), "restarted": bool(restarts), "lost_iterations": 0,
-                 "restored_step": None, "restored_from": None, "restart_to_first_step_s": None}
+                 "restored_step": None, "restored_from": None, "restart_to_first_step_s": None,
+                 "lost_after_notice": None}
         if restarts:
             restart = restarts[-1]  # a start that failed and was retried ends with the one that ran
             before = found.index(restarts[0]) - 1
             reached = found[before].reached if before >= 0 else 0
             entry.update(restored_step=restart.start_iteration,
                          restored_from=(restart.restore or {}).get("kind"),
+                         lost_after_notice=(restart.restore or {}).get("lost_after_notice"),
                          lost_iterations=max(0, reached - restart.start_iteration))
             if restart.first_step_t is not None:
                 entry["restart_to_first_step_s"] = restart.first_step_t - t_kill
@@ -175,6 +177,10 @@ def describe(report: dict) -> list[str]:
     mean_restart = report["restart_to_first_step_s_mean"]
     unreached = report.get("unreached_preemptions") or []
     beyond = [f"trace losses after the run ended (not injected): {len(unreached)}"] if unreached else []
+    notices = [o for o in report["detail"].get("preemptions", []) if o.get("kind") == "notice"]
+    if notices:
+        beyond.append("iterations lost after each notice (None: not counted): "
+                      + ", ".join(str(o.get("lost_after_notice")) for o in notices))
     return beyond + [
         f"preemptions survived: {report['preemptions_survived']} of {report['preemptions']} "
         f"({report['restarts']} restarts, {report['commits']} checkpoints committed)",
