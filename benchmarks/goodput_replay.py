@@ -337,7 +337,8 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
                       resize_check_s=RESIZE_MONITOR_S)
         recoveries = row["recoveries"]
         restore = max(_mean([r["restore_s"] for r in recoveries]) or 0.0, 1e-3)
-        stall = max(_checkpoint_stall(run["log"], variant, job), 1e-5)
+        every = {"sync": job.every, "async": job.every, "ours": _interval(run["log"])}.get(variant)
+        stall = max(_checkpoint_stall(run["log"], variant, job, k=every), 1e-5)
         upload = min(restore, stall / 2)
         clean = [r["to_next_step_s"] - r["restore_s"] for r in recoveries if not r.get("hit")]
         mean_restart_s = _mean(clean or [r["to_next_step_s"] - r["restore_s"] for r in recoveries]) or 0.0
@@ -347,7 +348,6 @@ def model_check(rows: list[dict], runs: dict[str, dict], schedule: LocalSchedule
                       snapshot_gbps=state_gb / stall, serialize_gbps=state_gb / max(stall - upload, 1e-5),
                       restart_s=mean_restart_s, restarts_s=_restarts_s(run, mean_restart_s),
                       epoch_iterations=job.epoch_len, overhead=job.overhead, notice_s=notice_s)
-        every = {"sync": job.every, "async": job.every, "ours": _interval(run["log"])}.get(variant)
         method = Method(name=variant, kind={"ours": "checkfreq"}.get(variant, variant), every=every)
         modelled = simulate(fleet, method, costs)
         goodput = modelled.iterations / (rate * row["seconds"]) if rate > 0 and row["seconds"] > 0 else 0.0
@@ -412,15 +412,19 @@ def _replayed_instants(schedule: LocalSchedule) -> list[tuple[float, int, int]]:
     return moments
 
 
-def _checkpoint_stall(log: list[dict], variant: str, job: ReplayJob) -> float:
-    """Mean seconds of a checkpoint call at a checkpoint (ours: the calls well above the
-    per-iteration decision's)."""
+def _checkpoint_stall(log: list[dict], variant: str, job: ReplayJob, *, k: int | None = None) -> float:
+    """Mean seconds of a checkpoint call at a checkpoint. Ours: with its ``k``, the
+    seconds of every call (each iteration's decision too, each attempt's costlier first
+    snapshot) over the snapshots k implies, so that the model stalls as long in all;
+    without, the calls well above the per-iteration decision's."""
     steps = [e for e in log if e["event"] == "step"]
     if variant in ("sync", "async", "epoch"):
         every = job.epoch_len if variant == "epoch" else job.every
         return _mean([e["ckpt_s"] for e in steps if e["iteration"] % every == 0]) or 0.0
     if variant == "none" or not steps:
         return 0.0
+    if k is not None:
+        return k * sum(e["ckpt_s"] for e in steps) / len(steps)
     return _mean([e["ckpt_s"] for e in _our_checkpoints(steps)]) or 0.0
 
 

@@ -10,8 +10,15 @@ import sys
 
 import pytest
 
-from benchmarks.goodput_replay import (ReplayJob, _checkpoint_stall, _driver_instants, _interval, _replayed_instants,
-                                      figures, model_check)
+from benchmarks.goodput_replay import (
+    ReplayJob,
+    _checkpoint_stall,
+    _driver_instants,
+    _interval,
+    _replayed_instants,
+    figures,
+    model_check,
+)
 from ray_checkfreq.chaos.trace import LocalEvent, LocalSchedule
 
 
@@ -80,6 +87,8 @@ def test_ours_k_is_the_one_the_job_logged_else_the_span_between_its_snapshots() 
     assert _interval(log) == 10  # snapshots at 10, 20, 30 from 0; at 30, 40, 50 from 20
     log[5]["k"], log[25]["k"] = 7, 8
     assert _interval(log) == 8  # the mean of 7 and 8, rounded
+    # at k = 5 the six 0.05 s calls of 60 steps make 12 snapshots of 0.025 s: as long in all
+    assert _checkpoint_stall(log, "ours", ReplayJob(), k=5) == pytest.approx(5 * 6 * 0.05 / 60)
 
 
 def test_the_replayed_schedule_becomes_the_models_instants() -> None:
