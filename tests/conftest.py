@@ -168,6 +168,7 @@ TIERS = {
     "unit": (
         "test_checksum.py", "test_chunk_reader.py", "test_codec.py", "test_codec_huffman.py", "test_codec_integrity.py",
         "test_codec_layout.py", "test_data_core.py", "test_data_global_batch.py", "test_data_order.py",
+        "test_data_quorum.py",
         "test_engine.py", "test_engine_between_steps.py", "test_engine_measured.py", "test_engine_planner.py",
         "test_engine_policy.py", "test_engine_profile.py", "test_engine_seams.py", "test_engine_state.py",
         "test_engine_with_data.py", "test_key_paths.py", "test_manifest.py", "test_nearlossless_codec.py",

@@ -16,6 +16,7 @@ from ray_checkfreq.data.guards import refuse_distributed_sampler
 from ray_checkfreq.data.index import IndexIterator
 from ray_checkfreq.data.iterator import ResumableIterator, StaleIteratorError
 from ray_checkfreq.data.order import FullOrder, WindowedOrder, epoch_rng
+from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
 from ray_checkfreq.data.seeds import SampleKeys, sample_rng, sample_seeds
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ __all__ = [
     "DataStateError",
     "FullOrder",
     "IndexIterator",
+    "QuorumShare",
+    "QuorumSteps",
     "RankSlice",
     "StaleIteratorError",
     "ResumableIterator",
