@@ -155,6 +155,16 @@ def test_a_healed_replica_resumes_at_the_committed_step(setup, quorums, version)
         assert next(iter(plain)).tolist() == _whole(live, live.step)
 
 
+def test_the_steps_start_where_the_iterator_stands():
+    live = _steps()
+    for step in range(_steps().steps_per_epoch + 3):  # into epoch 1
+        live.commit(step)
+    it = resumable(N, global_batch_size=G, seed=SEED, rank=1, world_size=3)
+    it.load_state_dict(live.state_dict())
+    assert (it.epoch, it.consumed) == (1, 3 * G)
+    assert QuorumSteps(it).step == live.step
+
+
 def test_a_state_that_does_not_fit_is_refused_naming_the_field():
     live = _steps()
     live.commit(0)
