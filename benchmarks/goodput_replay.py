@@ -401,17 +401,6 @@ def model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _replayed_instants(schedule: LocalSchedule) -> list[tuple[float, int, int]]:
-    moments: list[tuple[float, int, int]] = [(0.0, 0, schedule.initial_nodes)]
-    for event in schedule.events:
-        removed = int(event.action == "remove")
-        if moments[-1][0] == event.at_s:
-            moments[-1] = (event.at_s, moments[-1][1] + removed, event.nodes_after)
-        else:
-            moments.append((event.at_s, removed, event.nodes_after))
-    return moments
-
-
 def _checkpoint_stall(log: list[dict], variant: str, job: ReplayJob, *, k: int | None = None) -> float:
     """Mean seconds of a checkpoint call at a checkpoint. Ours: with its ``k``, the
     seconds of every call (each iteration's decision too, each attempt's costlier first

@@ -15,11 +15,10 @@ from benchmarks.goodput_replay import (
     _checkpoint_stall,
     _driver_instants,
     _interval,
-    _replayed_instants,
     figures,
     model_check,
 )
-from ray_checkfreq.chaos.trace import LocalEvent, LocalSchedule
+from ray_checkfreq.chaos.trace import LocalSchedule
 
 
 def _run() -> dict:
@@ -91,12 +90,12 @@ def test_ours_k_is_the_one_the_job_logged_else_the_span_between_its_snapshots() 
     assert _checkpoint_stall(log, "ours", ReplayJob(), k=5) == pytest.approx(5 * 6 * 0.05 / 60)
 
 
-def test_the_replayed_schedule_becomes_the_models_instants() -> None:
-    schedule = LocalSchedule(initial_nodes=3, peak_live=3, duration_s=60.0, events=[
-        LocalEvent(at_s=5.0, action="remove", nodes_after=2, trace_time_s=150.0, trace_live=2),
-        LocalEvent(at_s=5.0, action="add", nodes_after=3, trace_time_s=150.0, trace_live=3),
-        LocalEvent(at_s=20.0, action="remove", nodes_after=2, trace_time_s=600.0, trace_live=2)])
-    assert _replayed_instants(schedule) == [(0.0, 0, 3), (5.0, 1, 3), (20.0, 1, 2)]
+def test_the_driver_events_become_the_models_instants_those_of_one_time_together() -> None:
+    run = _run()
+    run["driver"][1:2] = [{"t": 105.1, "event": "remove", "node": "b", "nodes": 1},
+                          {"t": 105.1, "event": "add", "node": "c", "nodes": 2},
+                          {"t": 110.1, "event": "remove", "node": "a", "nodes": 1}]
+    assert _driver_instants(run, 2) == [(0.0, 0, 2), (pytest.approx(5.0), 1, 2), (pytest.approx(10.0), 1, 1)]
 
 
 @pytest.mark.chaos
