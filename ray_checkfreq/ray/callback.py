@@ -4,8 +4,9 @@ node agents (and their slots) and policy actor when ``fit()`` ends.
 Pass it in ``RunConfig(callbacks=[CheckFreqCallback()])``. It runs in the Train controller,
 whose lifetime is the run's: agents and the policy actor outlive worker-group restarts and
 end with ``fit()``, whether it returns or fails. Without it rank 0 creates the policy actor
-(on the head node), and an agent or the policy actor ends when nobody renewed its lease
-for ``RayConfig.agent_lease_s``.
+(on the head node). With it or without, an agent or the policy actor also ends when nobody
+renewed its lease for ``RayConfig.agent_lease_s``: the end of a run stopped with
+``ray job stop`` (no callback runs then), unless it is submitted again before.
 """
 
 from __future__ import annotations

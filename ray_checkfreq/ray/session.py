@@ -74,7 +74,8 @@ class RayConfig:
     ``restart_wait_s``: how long a restart waits for the agents' in-flight persists
     before it takes over (a persist still running then is fenced, never lost: its slot
     is restored and persisted again). ``agent_lease_s``: an agent that no rank renewed
-    for this long removes its slots and exits (runs without ``CheckFreqCallback``).
+    for this long removes its slots and exits (a run without ``CheckFreqCallback``, or one
+    stopped with ``ray job stop`` and not submitted again).
     ``slots``: 2 (A/B: a new snapshot never overwrites the newest complete one) or 1
     (half the RAM; a crash mid-copy then leaves only storage to restore from).
     ``registration``: when pointer checkpoints are reported to Ray Train (None: never).
@@ -93,7 +94,7 @@ class RayConfig:
     """Seconds between warnings while it waits."""
     agent_lease_s: float = 600.0
     """Seconds after which an agent (or the policy actor) nobody renewed exits (runs without
-    ``CheckFreqCallback``)."""
+    ``CheckFreqCallback``, or stopped with ``ray job stop`` and not submitted again)."""
     slots: int = 2
     """Shared-memory slots per node agent: 2 (A/B) or 1 (half the RAM)."""
     shm_dir: str = "/dev/shm"
