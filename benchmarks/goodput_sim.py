@@ -148,7 +148,7 @@ def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int)
     until a loss was seen; then the k of the best expected goodput at the observed rate of
     losses that need a checkpoint (none where the notice covers a snapshot: those keep
     everything), within the hard cap on overhead and the lost-work bound."""
-    iteration_s = costs.iter_s * full_nodes / nodes
+    iteration_s = costs.iteration_s(nodes, full_nodes)
     profile = Profile(iter_s=iteration_s, update_s=iteration_s, cpu_copy_s=costs.snapshot_s(nodes),
                       persist_s=costs.upload_s, size_bytes=int(costs.share_gb(nodes) * GB))
     rate = None if mtbf_s is None else (0.0 if costs.notice_s >= costs.snapshot_s(nodes) else 1 / mtbf_s)
