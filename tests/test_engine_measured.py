@@ -228,12 +228,12 @@ def test_a_majority_of_cheap_samples_does_not_hide_what_profiling_measurably_pai
     window = _profiled_window(busy_s=(1.05, 1.075, 1.625), persist_s=6.0)
     measured = window.measured["raw"]
     assert not window.disagreed["raw"] and measured.interference_s == pytest.approx(0.3), "the median"
-    profile, decision = window.decide(measured, {}, P, None)
+    profile, decision = window.decide(measured, {}, P, {})
     assert window.mean_cost_s("raw") == pytest.approx(1.0)
     assert profile.interference_s == pytest.approx(1.0) and decision.k == math.ceil(1.0 / P)
     assert window.summary()["conservative"] == {"raw": True}
     calm = _profiled_window(busy_s=(1.05, 1.075, 1.1), persist_s=6.0)  # 0.2, 0.3, 0.4 s: the median stands
-    profile, decision = calm.decide(calm.measured["raw"], {}, P, None)
+    profile, decision = calm.decide(calm.measured["raw"], {}, P, {})
     assert profile.interference_s == pytest.approx(0.3) and decision.k == math.ceil(0.3 / P)
     assert calm.summary()["conservative"] == {"raw": False}
 

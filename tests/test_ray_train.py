@@ -253,13 +253,15 @@ def test_rank0s_node_gone_right_after_the_notice_snapshot_still_commits_it(refer
     assert first[0].created_unix_ns > seen["removed_ns"]
     starts = events(work_dir, 0, "start")
     assert len(starts) == 2
-    # The restart began at the notice's first checkpoint; no rank trained past the planned stop.
+    # The restart began at the notice's first checkpoint or later (the stop's snapshot, when the
+    # other node's replica of it was complete); no rank trained past the planned stop.
     trained = max(e["iteration"] for r in (0, 1) for e in attempt_batches(work_dir, r, 0))
-    assert starts[1]["iteration"] == stop <= trained + 1
+    resumed = starts[1]["iteration"]
+    assert stop <= resumed <= trained + 1
     # Rank 0 never confirmed the stop (its node was gone first): the notice was recorded when
-    # planned, and the restart counts at most what was trained after its checkpoint.
+    # planned, and the restart counts at most what was trained after where it resumed.
     lost = starts[1]["restore"]["lost_after_notice"]
-    assert lost is not None and lost >= trained + 1 - stop
+    assert lost is not None and lost >= trained + 1 - resumed
     assert_same_weights(final_weights(work_dir), reference)
 
 
