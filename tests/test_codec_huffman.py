@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ray_checkfreq import codec
@@ -39,6 +39,13 @@ def make_stream(n: int, seed: int, kind: str) -> bytes:
     return data.astype(np.uint8).tobytes()
 
 
+def repeated_word_share(data: bytes) -> float:
+    """The share of 8-byte words equal to the word before: the coder leaves a stream to zstd
+    above 1/64 (a single repeat does it in a short stream, whatever its kind)."""
+    words = np.frombuffer(data[: len(data) // 8 * 8], np.uint64)
+    return float((words[1:] == words[:-1]).sum()) / max(len(words), 1)
+
+
 def decode(stored: bytes, n: int) -> bytes:
     out = np.empty(n, np.uint8)
     kernels.huf_decode(stored, out)
@@ -48,11 +55,12 @@ def decode(stored: bytes, n: int) -> bytes:
 @settings(max_examples=120, deadline=None)
 @given(n=st.integers(0, 3000), seed=st.integers(0, 2**32 - 1),
        kind=st.sampled_from(["uniform", "geometric", "two", "one", "exponent"]))
+@example(n=280, seed=552608602, kind="geometric")  # one repeated word of 35: left to zstd
 def test_c_coder_round_trips_and_matches_the_reference_decoder(n, seed, kind):
     data = make_stream(n, seed, kind)
     stored = kernels.huf_encode(data)
     if stored is None:  # judged to have runs: left to zstd
-        assert kind in ("one", "two") or n < 64
+        assert repeated_word_share(data) > 1 / 64, (kind, n)
         return
     assert decode(stored, n) == data
     assert huffman.reference_decode(stored, n) == data
