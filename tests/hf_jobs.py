@@ -144,6 +144,7 @@ def train_func(config: dict) -> None:
 def main() -> None:
     work_dir, storage = sys.argv[1], sys.argv[2]
     crash_at = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    torch.set_num_threads(1)  # as the test's own process runs it: bit-identity needs one reduction order
     trainer = build_trainer(work_dir=work_dir, rank=0, storage=storage, crash_at=crash_at)
     trainer.train()
     save_final(trainer, work_dir)
