@@ -189,7 +189,7 @@ TIERS = {
     ),
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
-        "test_ray_train.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py",
+        "test_ray_train.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py", "test_ray_inplace.py",
         "test_commit_sim.py", "test_spot_cluster.py",
     ),
     "tooling": (

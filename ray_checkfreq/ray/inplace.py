@@ -1,0 +1,157 @@
+"""In-place recovery on Ray Train's torchft replica groups: a lost replica no longer restarts the job.
+
+Driver side, ``in_place_config()`` is the ``torch_config`` of a ``TorchTrainer``: Ray 2.60's
+``TorchftConfig`` with a lighthouse that a 0-CPU head can run, and timeouts for spot nodes.
+Worker side, ``InPlaceReplica`` holds torchft's ``Manager`` beside the data: each step's
+global batch is a pure function of the step (``QuorumSteps``), split among that step's
+participants by their rank in the quorum, and the data position moves only when the step
+commits. A healed replica receives the data position with the weights.
+
+In Ray 2.60 a replica group is one worker, so this mode is for replicated (DDP) state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
+
+
+@dataclass(frozen=True, kw_only=True)
+class InPlaceConfig:
+    """Timeouts of the in-place mode (defaults for spot nodes on one cluster network)."""
+
+    min_replicas: int = 1
+    """Fewest replicas that may commit a step; fewer, and the step waits for the quorum."""
+    heartbeat_timeout_ms: int = 1000
+    """The lighthouse drops a replica silent this long: the survivors' pause after a loss."""
+    join_timeout_ms: int = 1000
+    """How long the lighthouse waits for late joiners before forming a smaller quorum."""
+    quorum_tick_ms: int = 100
+    timeout_s: float = 30.0
+    """Collectives, commits and the healing transfer: a loaded node re-forms its gloo group in seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_replicas", "heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"InPlaceConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"InPlaceConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+
+    def lighthouse_kwargs(self) -> dict[str, Any]:
+        return {"min_replicas": self.min_replicas, "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
+                "join_timeout_ms": self.join_timeout_ms, "quorum_tick_ms": self.quorum_tick_ms}
+
+
+class _Backend(_TorchftBackend):  # type: ignore[misc]
+    """Ray's backend, but the lighthouse asks for no CPU: Ray 2.60 pins it to the controller's
+    node with the default demand of 1 CPU, which a 0-CPU head never schedules ("The actor is
+    not schedulable"). It only answers quorum RPCs."""
+
+    def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
+        if self.lighthouse_actor is None:
+            self.lighthouse_actor = LighthouseServerActor.options(
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=ray.get_runtime_context().get_node_id(), soft=False),
+            ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+        return str(ray.get(self.lighthouse_actor.address.remote()))
+
+
+class InPlaceTorchConfig(TorchftConfig):  # type: ignore[misc]
+    """Ray 2.60's ``TorchftConfig`` with the lighthouse of ``_Backend`` and ``InPlaceConfig``'s timeouts."""
+
+    def __init__(self, in_place: InPlaceConfig, **torch_config: Any) -> None:
+        self.in_place = in_place
+        super().__init__(lighthouse_kwargs=in_place.lighthouse_kwargs(), **torch_config)
+
+    @property
+    def backend_cls(self) -> type:
+        return _Backend
+
+
+def in_place_config(config: InPlaceConfig | None = None, *, backend: str = "gloo",
+                    **torch_config: Any) -> InPlaceTorchConfig:
+    """The ``torch_config`` of a ``TorchTrainer`` for in-place recovery (one worker per replica)."""
+    return InPlaceTorchConfig(config or InPlaceConfig(), backend=backend, **torch_config)
+
+
+class InPlaceReplica:
+    """One replica group (one Ray Train worker) of an in-place job.
+
+    Each step::
+
+        share = replica.next_share()        # the quorum, then this replica's samples
+        loss = mean_loss(share.indices) * share.loss_scale
+        loss.backward()                     # replica.model averages gradients over the quorum
+        replica.commit(share)               # the optimizer steps only if the step commits
+
+    ``model`` and ``optimizer`` are the caller's; ``replica.model`` wraps the model for the
+    gradient average. Model, optimizer, data position and any ``extra_state`` travel to a
+    healing replica.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: QuorumSteps,
+                 config: InPlaceConfig | None = None, extra_state: dict[str, Any] | None = None) -> None:
+        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        self.config = config or InPlaceConfig()
+        self.steps = steps
+        self.optimizer = optimizer
+        timeout = timedelta(seconds=self.config.timeout_s)
+        group = ProcessGroupGloo(timeout=timeout)
+        self.replica_rank = ray.train.get_context().get_world_rank()
+        self.manager = Manager(
+            pg=group, load_state_dict=None, state_dict=None, min_replica_size=self.config.min_replicas,
+            # The quorum is known before the batch is fetched: the share depends on it.
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            rank=0, world_size=1, replica_id=f"checkfreq_{self.replica_rank}",
+            checkpoint_transport=PGTransport(group, timeout=timeout, device=torch.device("cpu")))
+        self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict, optimizer.state_dict)
+        self.manager.register_state_dict_fn("data", steps.load_state_dict, steps.state_dict)
+        for name, holder in (extra_state or {}).items():
+            self.manager.register_state_dict_fn(f"extra/{name}", holder.load_state_dict, holder.state_dict)
+        self.model = DistributedDataParallel(self.manager, model)
+
+    def next_share(self) -> QuorumShare:
+        """Join this step's quorum (healing first if behind) and return this replica's share
+        of the next uncommitted step's global batch."""
+        self.optimizer.zero_grad()
+        self.manager.start_quorum()
+        rank, size = self.manager.participating_rank(), self.manager.num_participants()
+        if rank is None:
+            raise RuntimeError(f"replica {self.replica_rank} is not in the quorum of step "
+                               f"{self.manager.current_step()} after healing (a spare?): in-place "
+                               "recovery expects every live replica to take part")
+        if self.steps.step != self.manager.current_step():
+            raise RuntimeError(f"replica {self.replica_rank}: the data is at step {self.steps.step} but torchft "
+                               f"at step {self.manager.current_step()}; the two commit together")
+        return self.steps.fetch(rank=rank, size=size)
+
+    def commit(self, share: QuorumShare) -> bool:
+        """Step the optimizer and the data if every participant's step went through."""
+        if not self.manager.should_commit():
+            return False
+        self.optimizer.step()
+        self.steps.commit(share.step)
+        return True
+
+    def shutdown(self) -> None:
+        """End the manager (a replica that returns while another is healing must not leave it waiting)."""
+        self.manager.shutdown(wait=False)
+
+
+def lighthouse_address() -> str | None:
+    """The lighthouse this worker reports to (set by Ray's backend), or None outside this mode."""
+    return os.environ.get("TORCHFT_LIGHTHOUSE")
