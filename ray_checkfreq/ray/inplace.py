@@ -52,14 +52,14 @@ class InPlaceConfig:
                 "join_timeout_ms": self.join_timeout_ms, "quorum_tick_ms": self.quorum_tick_ms}
 
 
-class _Backend(_TorchftBackend):  # type: ignore[misc]
+class _Backend(_TorchftBackend):
     """Ray's backend, but the lighthouse asks for no CPU: Ray 2.60 pins it to the controller's
     node with the default demand of 1 CPU, which a 0-CPU head never schedules ("The actor is
     not schedulable"). It only answers quorum RPCs."""
 
     def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
         if self.lighthouse_actor is None:
-            self.lighthouse_actor = LighthouseServerActor.options(
+            self.lighthouse_actor = LighthouseServerActor.options(  # type: ignore[attr-defined]
                 num_cpus=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(
                     node_id=ray.get_runtime_context().get_node_id(), soft=False),
@@ -67,7 +67,7 @@ class _Backend(_TorchftBackend):  # type: ignore[misc]
         return str(ray.get(self.lighthouse_actor.address.remote()))
 
 
-class InPlaceTorchConfig(TorchftConfig):  # type: ignore[misc]
+class InPlaceTorchConfig(TorchftConfig):
     """Ray 2.60's ``TorchftConfig`` with the lighthouse of ``_Backend`` and ``InPlaceConfig``'s timeouts."""
 
     def __init__(self, in_place: InPlaceConfig, **torch_config: Any) -> None:
