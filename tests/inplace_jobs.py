@@ -2,8 +2,9 @@
 
 A linear regression over a fixed synthetic dataset, every step's global batch from
 ``QuorumSteps``. Each replica logs, per step, its share (step, quorum rank and size,
-sample indices) when it has fetched it, then whether the step committed. ``kill_step``: the replica of world rank
-``kill_rank`` SIGKILLs itself after its backward pass of that step, before the commit (once
+sample indices) when it has fetched it, then whether the step committed. With ``storage``, the replicas
+checkpoint every ``every`` steps (one writer: the quorum's rank 0) and resume from there.
+``kill_step``: the replica of world rank ``kill_rank`` SIGKILLs itself after its backward pass of that step, before the commit (once
 per test). The job ends at the first epoch end after every replica has been back for
 ``full_steps`` steps (or after ``max_epochs``): all replicas decide it from the same step and
 quorum size, so they stop together.
@@ -52,6 +53,7 @@ def share_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, share: 
 def train(config: dict) -> None:
     import ray.train
 
+    from ray_checkfreq import CheckFreqConfig
     from ray_checkfreq.ray.inplace import InPlaceConfig, InPlaceReplica
 
     torch.set_num_threads(1)
@@ -63,7 +65,9 @@ def train(config: dict) -> None:
     steps = quorum_steps(config)
     replacement = os.path.exists(os.path.join(work_dir, "fault-kill"))
     replica = InPlaceReplica(model=model, optimizer=optimizer, steps=steps,
-                             config=InPlaceConfig(timeout_s=config.get("timeout_s", 30.0)))
+                             config=InPlaceConfig(timeout_s=config.get("timeout_s", 30.0)),
+                             storage=config.get("storage"), checkpoint=CheckFreqConfig(every=config.get("every", 10)))
+    log(work_dir, world_rank, event="start", step=replica.start_step, pid=os.getpid())
     saw_loss, full_since = replacement, None
     max_steps = config["max_epochs"] * steps.steps_per_epoch
     while steps.step < max_steps:
@@ -77,7 +81,7 @@ def train(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         committed = replica.commit(share)
         log(work_dir, world_rank, event="commit" if committed else "rollback", step=share.step, size=share.size,
-            pid=os.getpid())
+            writer=replica.is_writer, pid=os.getpid())
         time.sleep(config.get("step_sleep_s", 0.0))
         if not committed:
             continue
@@ -91,13 +95,17 @@ def train(config: dict) -> None:
     replica.shutdown()
 
 
-def reference(config: dict, until_step: int) -> dict[str, torch.Tensor]:
-    """The same steps in one process, each over its whole global batch."""
+def reference(config: dict, until_steps: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """The weights after each of ``until_steps`` steps, the steps taken in one process,
+    each over its whole global batch."""
     x, y = dataset(config["samples"])
     model, optimizer = model_and_optimizer()
     steps = quorum_steps(config)
-    for step in range(until_step):
+    found = {0: {key: value.clone() for key, value in model.state_dict().items()}}
+    for step in range(max(until_steps)):
         optimizer.zero_grad()
         share_loss(model, x, y, steps.share(step, rank=0, size=1)).backward()
         optimizer.step()
-    return model.state_dict()
+        if step + 1 in until_steps:
+            found[step + 1] = {key: value.clone() for key, value in model.state_dict().items()}
+    return found

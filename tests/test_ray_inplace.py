@@ -1,11 +1,14 @@
 """In-place recovery (torchft replica groups on Ray Train): a replica SIGKILLed mid-step
 while the others train on, every sample once, and the weights of an uninterrupted run.
 
-One ``TorchTrainer`` run of ``inplace_jobs.train`` with 3 replicas (one worker each) on the
-session cluster: the replica of world rank 1 kills itself after its backward pass of step
-40, before the commit. The controller replaces only that worker; the new one heals from a
-live peer (weights, optimizer and data position) and the job ends at the first epoch end
-after the three have trained together again for a while.
+Two ``TorchTrainer`` runs of ``inplace_jobs.train`` with 3 replicas (one worker each) on the
+session cluster, checkpointing every 10 steps to one storage. In the first, the replica of
+world rank 0 (the checkpoint writer: rank 0 of the quorum) kills itself after its backward
+pass of step 40, before the commit. The controller replaces only that worker; the new one
+heals from a live peer (weights, optimizer and data position), the survivors' new rank 0
+writes the checkpoints meanwhile, and the job ends at the first epoch end after the three
+have trained together again for a while. The second run is the job submitted again: it
+resumes from the newest checkpoint and trains one more epoch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.chaos
 
 REPLICAS = 3
 CONFIG = {"samples": 1200, "global_batch": 12, "max_epochs": 6, "full_steps": 20, "kill_step": 40,
-          "kill_rank": 1, "step_sleep_s": 0.02}
+          "kill_rank": 0, "step_sleep_s": 0.02, "every": 10}
 # The survivors' longest wait for a commit: the lighthouse's heartbeat timeout (1 s) and the
 # new quorum's process group; 1.5 s measured at a load average of 7. Bounded loosely here
 # (CI shares its 2 cores with Ray's own processes); the figure itself is printed.
@@ -66,27 +69,47 @@ def committed_shares(events: list[dict], end_step: int) -> dict[int, list[dict]]
     return shares
 
 
-@pytest.fixture(scope="module")
-def killed_run(ray_session, tmp_path_factory):
+def fit(work_dir: str, config: dict) -> list[dict]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ray_checkfreq.chaos.harness import bounded_call, kill_train_controllers
     from ray_checkfreq.ray.inplace import in_place_config
 
-    work_dir = str(tmp_path_factory.mktemp("inplace"))
     trainer = TorchTrainer(
-        inplace_jobs.train, train_loop_config={"work_dir": work_dir, **CONFIG},
+        inplace_jobs.train, train_loop_config={"work_dir": work_dir, **config},
         scaling_config=ScalingConfig(num_workers=REPLICAS), torch_config=in_place_config(),
         run_config=RunConfig(name=f"inplace-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results",
                              failure_config=FailureConfig(max_failures=2)))
     outcome = bounded_call(trainer.fit, timeout_s=RUN_TIMEOUT_S, what="in-place run", on_timeout=kill_train_controllers)
     assert not isinstance(outcome, Exception), outcome
-    return work_dir, read_events(work_dir)
+    return read_events(work_dir)
+
+
+def end_step(events: list[dict]) -> int:
+    ends = {e["step"] for e in events if e["event"] == "end"}
+    assert len(ends) == 1, f"the replicas ended at steps {ends}"
+    return ends.pop()
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    """(storage, the killed run's events, the resubmitted run's events)."""
+    root = tmp_path_factory.mktemp("inplace")
+    storage = str(root / "checkpoints")
+    killed = fit(str(root / "killed"), {**CONFIG, "storage": storage})
+    epochs = end_step(killed) // inplace_jobs.quorum_steps(CONFIG).steps_per_epoch
+    again = fit(str(root / "again"), {**CONFIG, "storage": storage, "kill_step": None, "max_epochs": epochs + 1})
+    return storage, killed, again
+
+
+@pytest.fixture(scope="module")
+def killed_run(runs):
+    return runs[1]
 
 
 def test_survivors_train_on_while_the_lost_replica_is_replaced(killed_run):
-    _, events = killed_run
+    events = killed_run
     (kill,) = [e for e in events if e["event"] == "kill"]
     killed_pid = kill["pid"]
     commits = [e for e in events if e["event"] == "commit"]
@@ -116,26 +139,83 @@ def test_survivors_train_on_while_the_lost_replica_is_replaced(killed_run):
     print(f"the replacement's first step: {first['t'] - kill['t']:.1f} s after the kill (step {first['step']})")
 
 
-def test_every_sample_once_and_the_weights_of_an_uninterrupted_run(killed_run):
-    work_dir, events = killed_run
-    end_step = {e["step"] for e in events if e["event"] == "end"}.pop()
+def assert_every_step_whole(events: list[dict], first: int, last: int) -> list[int]:
+    """Each committed step of [first, last) averaged one share of every quorum rank, together
+    its whole global batch; returns the samples taken, in step order."""
     steps = inplace_jobs.quorum_steps(CONFIG)
-    per_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for step, shares in committed_shares(events, end_step).items():
+    taken_all = []
+    for step, shares in committed_shares(events, last).items():
+        if step < first:
+            continue
         size = shares[0]["size"]
         assert sorted(s["quorum_rank"] for s in shares) == list(range(size)), f"step {step}: {shares}"
-        epoch, lo, hi = steps.positions(step)
         taken = [i for s in shares for i in s["indices"]]
         assert sorted(taken) == sorted(steps.share(step, rank=0, size=1).indices.tolist()), f"step {step}"
-        per_epoch[epoch] += taken
-    assert end_step % steps.steps_per_epoch == 0
-    for epoch, taken in per_epoch.items():
-        assert sorted(taken) == list(range(CONFIG["samples"])), f"epoch {epoch}: not every sample once"
-    reference = inplace_jobs.reference(CONFIG, end_step)
+        taken_all += taken
+    return taken_all
+
+
+def assert_weights(found: dict, expected: dict, what: str) -> None:
+    for key, value in expected.items():
+        assert torch.allclose(found[key], value, rtol=0, atol=WEIGHT_TOLERANCE), \
+            f"{what}, {key}: {float((found[key] - value).abs().max())} from the uninterrupted run"
+
+
+def test_every_sample_once_and_the_weights_of_an_uninterrupted_run(runs):
+    _, events, _ = runs
+    last = end_step(events)
+    per_epoch = inplace_jobs.quorum_steps(CONFIG).steps_per_epoch
+    assert last % per_epoch == 0
+    taken = assert_every_step_whole(events, 0, last)
+    for epoch in range(last // per_epoch):
+        in_epoch = taken[epoch * CONFIG["samples"]:(epoch + 1) * CONFIG["samples"]]
+        assert sorted(in_epoch) == list(range(CONFIG["samples"])), f"epoch {epoch}: not every sample once"
+    expected = inplace_jobs.reference(CONFIG, [last])[last]
+    work_dir = _work_dir(runs, "killed")
     finals = [torch.load(os.path.join(work_dir, f"final-{r}.pt"), weights_only=True) for r in range(REPLICAS)]
     for final in finals:
-        assert final["step"] == end_step
-        for key, expected in reference.items():
+        assert final["step"] == last
+        for key in expected:
             assert torch.equal(final["model"][key], finals[0]["model"][key]), f"replicas differ in {key}"
-            assert torch.allclose(final["model"][key], expected, rtol=0, atol=WEIGHT_TOLERANCE), \
-                f"{key}: {float((final['model'][key] - expected).abs().max())} from the uninterrupted run"
+        assert_weights(final["model"], expected, "the killed run's end")
+
+
+def _work_dir(runs, name: str) -> str:
+    storage = runs[0]
+    return os.path.join(os.path.dirname(storage), name)
+
+
+def test_one_writer_at_a_time_and_every_checkpoint_exact(runs):
+    from ray_checkfreq import CheckpointStore
+
+    storage, events, _ = runs
+    writers = collections.Counter(e["step"] for e in events if e["event"] == "commit" and e["writer"])
+    committed = {e["step"] for e in events if e["event"] == "commit"}
+    assert max(writers.values()) == 1, "two replicas wrote for one step"
+    # Only the step whose writer died between its backward pass and the commit has none.
+    assert committed - set(writers) <= {CONFIG["kill_step"]}
+    store = CheckpointStore(storage)
+    killed_refs = [ref for ref in store.list() if ref.step <= end_step(events)]
+    # The survivors' new rank 0 took over with a newer writer generation (fencing the dead one).
+    assert len({ref.writer_generation for ref in killed_refs}) >= 2
+    expected = inplace_jobs.reference(CONFIG, [ref.step for ref in killed_refs])
+    for ref in killed_refs:
+        state = store.load(ref)
+        assert state["extra"]["data"]["step"] == ref.step
+        assert_weights(state["model"], expected[ref.step], f"checkpoint of step {ref.step}")
+
+
+def test_a_job_submitted_again_resumes_from_the_newest_checkpoint(runs):
+    from ray_checkfreq import CheckpointStore
+
+    storage, killed, again = runs
+    newest_of_killed = max(ref.step for ref in CheckpointStore(storage).list() if ref.step <= end_step(killed))
+    starts = [e["step"] for e in again if e["event"] == "start"]
+    assert starts == [newest_of_killed] * REPLICAS  # where its checkpoint says, not 0
+    first = min(e["step"] for e in again if e["event"] == "share")
+    assert first == newest_of_killed
+    last = end_step(again)
+    assert last == end_step(killed) + inplace_jobs.quorum_steps(CONFIG).steps_per_epoch
+    assert_every_step_whole(again, newest_of_killed, last)
+    final = torch.load(os.path.join(_work_dir(runs, "again"), "final-0.pt"), weights_only=True)
+    assert_weights(final["model"], inplace_jobs.reference(CONFIG, [last])[last], "the resubmitted run's end")

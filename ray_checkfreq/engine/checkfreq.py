@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -258,6 +259,15 @@ class CheckFreq:
         self._begin(iteration)
         return iteration
 
+    def begin_at(self, iteration: int) -> None:
+        """Count on from ``iteration`` without loading anything: a writer taking over a live
+        run whose state is already in memory (in-place recovery). Before the first ``step()``."""
+        if self._started or self._begun:
+            raise RuntimeError(f"begin_at({iteration}) after the engine began (at iteration {self.iteration})")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"begin_at: iteration must be an integer >= 0, got {iteration!r}")
+        self._begin(iteration)
+
     def _begin(self, iteration: int) -> None:
         self.iteration = iteration
         self._begun = True
@@ -398,14 +408,29 @@ class CheckFreq:
         """
         return self._executor.flush()
 
-    def close(self) -> None:
-        """Make the in-flight checkpoint durable and release the hooks; raises a persist failure."""
+    def close(self, *, wait: bool = True) -> None:
+        """Make the in-flight checkpoint durable and release the hooks; raises a persist failure.
+
+        ``wait=False`` (a writer handing over to another, in-place recovery): the hooks go and
+        the snapshot's copies land now, so training may move on at once; the persist in flight
+        ends in a background thread, and a failure there (a newer writer's fence) is logged.
+        """
         if self._closed:
             return
         self._closed = True
         for hook in self._hooks:
             hook.remove()
-        self._executor.close()
+        if wait:
+            self._executor.close()
+            return
+        self._executor.before_update(self.optimizer, (), {})  # the fence: copies land before the next update
+        threading.Thread(target=self._close_quietly, name="rcf-close", daemon=True).start()
+
+    def _close_quietly(self) -> None:
+        try:
+            self._executor.close()
+        except Exception as err:  # nobody waits for this thread: the failure is told, not lost
+            logger.warning("the last checkpoint of a closed writer was not kept: %s", err)
 
     def __enter__(self) -> CheckFreq:
         return self

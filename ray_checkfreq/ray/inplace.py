@@ -12,7 +12,8 @@ In Ray 2.60 a replica group is one worker, so this mode is for replicated (DDP) 
 
 from __future__ import annotations
 
-import os
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,11 @@ from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConf
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
+from ray_checkfreq.engine import CheckFreq, CheckFreqConfig
+from ray_checkfreq.engine.restore import newest_state
+from ray_checkfreq.storage import CheckpointStore
+
+logger = logging.getLogger("ray_checkfreq.ray")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,13 +107,18 @@ class InPlaceReplica:
     """
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: QuorumSteps,
-                 config: InPlaceConfig | None = None, extra_state: dict[str, Any] | None = None) -> None:
+                 config: InPlaceConfig | None = None, extra_state: Mapping[str, Any] | None = None,
+                 storage: str | None = None, checkpoint: CheckFreqConfig | None = None) -> None:
         from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.config = config or InPlaceConfig()
         self.steps = steps
         self.optimizer = optimizer
+        self._module = model
+        self._extra_state = dict(extra_state or {})
+        self.storage, self.checkpoint = storage, checkpoint or CheckFreqConfig()
+        self._writer: CheckFreq | None = None
         timeout = timedelta(seconds=self.config.timeout_s)
         group = ProcessGroupGloo(timeout=timeout)
         self.replica_rank = ray.train.get_context().get_world_rank()
@@ -123,6 +134,7 @@ class InPlaceReplica:
         for name, holder in (extra_state or {}).items():
             self.manager.register_state_dict_fn(f"extra/{name}", holder.load_state_dict, holder.state_dict)
         self.model = DistributedDataParallel(self.manager, model)
+        self.start_step = self._restore()
 
     def next_share(self) -> QuorumShare:
         """Join this step's quorum (healing first if behind) and return this replica's share
@@ -140,18 +152,76 @@ class InPlaceReplica:
         return self.steps.fetch(rank=rank, size=size)
 
     def commit(self, share: QuorumShare) -> bool:
-        """Step the optimizer and the data if every participant's step went through."""
+        """Step the optimizer and the data if every participant's step went through; the
+        writer of the step (rank 0 of its quorum) then counts it for its checkpoints."""
         if not self.manager.should_commit():
             return False
         self.optimizer.step()
         self.steps.commit(share.step)
+        if self.storage is not None:
+            self._count_for_checkpoints(writer=share.rank == 0)
         return True
 
+    @property
+    def is_writer(self) -> bool:
+        """Whether this replica writes the checkpoints now (rank 0 of the last committed step's quorum)."""
+        return self._writer is not None
+
     def shutdown(self) -> None:
-        """End the manager (a replica that returns while another is healing must not leave it waiting)."""
-        self.manager.shutdown(wait=False)
+        """Make the writer's last checkpoint durable, then end the manager (a replica that
+        returns while another is healing must not leave it waiting)."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self.manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------ checkpoints
+    def _engine(self) -> CheckFreq:
+        return CheckFreq(model=self._module, optimizer=self.optimizer, storage=self.storage,  # type: ignore[arg-type]
+                         extra_state={"data": self.steps, "torchft": _ManagerStep(self.manager), **self._extra_state},
+                         config=self.checkpoint)
+
+    def _restore(self) -> int:
+        """Every replica loads the newest checkpoint (reading takes no writer generation); a
+        replacement then heals from a live peer at its first quorum anyway."""
+        if self.storage is None or not CheckpointStore(self.storage).list():
+            return 0
+        loader = self._engine()
+        try:
+            step = loader.apply_state(newest_state(loader.store))
+        finally:
+            loader.close()
+        if step != self.steps.step or step != self.manager.current_step():
+            raise RuntimeError(f"checkpoint of step {step} in {self.storage} holds data step {self.steps.step} and "
+                               f"torchft step {self.manager.current_step()}: not a checkpoint of this mode's job?")
+        logger.info("in-place replica %d resumed at step %d from %s", self.replica_rank, step, self.storage)
+        return step
+
+    def _count_for_checkpoints(self, *, writer: bool) -> None:
+        """One writer at a time: the step's quorum rank 0. A new writer's first save takes a
+        newer writer generation, which fences an old writer still persisting (``FencedWriterError``:
+        its checkpoint is withdrawn and never the latest)."""
+        if writer and self._writer is None:
+            self._writer = self._engine()
+            self._writer.begin_at(self.steps.step - 1)
+        elif not writer and self._writer is not None:
+            retired, self._writer = self._writer, None
+            retired.close(wait=False)  # its in-flight persist finishes (or is fenced) without stalling the steps
+        if self._writer is not None:
+            self._writer.step()
 
 
-def lighthouse_address() -> str | None:
-    """The lighthouse this worker reports to (set by Ray's backend), or None outside this mode."""
-    return os.environ.get("TORCHFT_LIGHTHOUSE")
+class _ManagerStep:
+    """torchft's step count, saved with the checkpoint: a job submitted again starts its
+    manager where the data and weights are."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def state_dict(self) -> dict[str, int]:
+        return {key: int(value) for key, value in self.manager.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.manager.load_state_dict(dict(state))
+
