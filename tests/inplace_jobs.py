@@ -1,13 +1,14 @@
 """The in-place job (torchft replica groups, one Ray Train worker each) and its uninterrupted reference.
 
 A linear regression over a fixed synthetic dataset, every step's global batch from
-``QuorumSteps``. Each replica logs, per step, its share (step, quorum rank and size,
-sample indices) when it has fetched it, then whether the step committed. With ``storage``, the replicas
-checkpoint every ``every`` steps (one writer: the quorum's rank 0) and resume from there.
-``kill_step``: the replica of world rank ``kill_rank`` SIGKILLs itself after its backward pass of that step, before the commit (once
-per test). The job ends at the first epoch end after every replica has been back for
-``full_steps`` steps (or after ``max_epochs``): all replicas decide it from the same step and
-quorum size, so they stop together.
+``QuorumSteps``. Each replica logs, per step, its share (step, quorum rank and size, sample
+indices) when it has fetched it, then whether the step committed. With ``storage``, the
+replicas checkpoint every ``every`` steps (one writer: the quorum's rank 0) and resume from
+there. ``kill_step``: the replica of world rank ``kill_rank`` SIGKILLs itself after its
+backward pass of that step, before the commit (once per test). The job ends at the first
+epoch end after every replica has been back for ``full_steps`` steps (or after
+``max_epochs``): all replicas decide it from the same step and quorum size, so they stop
+together.
 """
 
 from __future__ import annotations

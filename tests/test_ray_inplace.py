@@ -70,19 +70,12 @@ def committed_shares(events: list[dict], end_step: int) -> dict[int, list[dict]]
 
 
 def fit(work_dir: str, config: dict) -> list[dict]:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray_checkfreq.chaos.harness import TrainJob, fit_job
+    from ray_checkfreq.ray.inplace import InPlaceConfig
 
-    from ray_checkfreq.chaos.harness import bounded_call, kill_train_controllers
-    from ray_checkfreq.ray.inplace import in_place_config
-
-    trainer = TorchTrainer(
-        inplace_jobs.train, train_loop_config={"work_dir": work_dir, **config},
-        scaling_config=ScalingConfig(num_workers=REPLICAS), torch_config=in_place_config(),
-        run_config=RunConfig(name=f"inplace-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results",
-                             failure_config=FailureConfig(max_failures=2)))
-    outcome = bounded_call(trainer.fit, timeout_s=RUN_TIMEOUT_S, what="in-place run", on_timeout=kill_train_controllers)
-    assert not isinstance(outcome, Exception), outcome
+    fit_job(TrainJob(train=inplace_jobs.train, config={"work_dir": work_dir, **config}, workers=REPLICAS,
+                     name=f"inplace-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results", max_failures=2,
+                     timeout_s=RUN_TIMEOUT_S, in_place=InPlaceConfig()))
     return read_events(work_dir)
 
 

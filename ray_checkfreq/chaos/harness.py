@@ -43,6 +43,9 @@ class TrainJob:
     timeout_s: float | None = None
     """Seconds ``fit_job`` waits for the run (None: no limit); then it ends the run's
     controller and fails with a TimeoutError instead of waiting for ever."""
+    in_place: Any = None
+    """An ``InPlaceConfig``: run on torchft replica groups (``ray_checkfreq.ray.inplace``), one
+    worker per replica, without ``CheckFreqCallback`` (the replicas checkpoint by themselves)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -112,6 +115,12 @@ def _trainer(job: TrainJob) -> Any:
 
     from ray_checkfreq.ray import CheckFreqCallback
 
+    extra: dict[str, Any] = {}
+    callbacks: list[Any] = [CheckFreqCallback()]  # a ControllerCallback
+    if job.in_place is not None:
+        from ray_checkfreq.ray.inplace import in_place_config
+
+        extra["torch_config"], callbacks = in_place_config(job.in_place), []
     return TorchTrainer(
         job.train,
         train_loop_config=dict(job.config),
@@ -121,5 +130,6 @@ def _trainer(job: TrainJob) -> Any:
         run_config=RunConfig(name=job.name, storage_path=job.storage_path,
                              failure_config=FailureConfig(max_failures=job.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=job.num_to_keep),
-                             callbacks=[CheckFreqCallback()]),  # type: ignore[list-item]  # a ControllerCallback
+                             callbacks=callbacks),
+        **extra,
     )
