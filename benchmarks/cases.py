@@ -197,4 +197,4 @@ BY_NAME = {case.name: case for case in CASES}
 SECTIONS = tuple(BY_NAME)  # the report's order
 # `bench store` measures the store alone and `bench all` runs the others: neither is a report section.
 OTHER_MODULES = {"store": "benchmarks.store", "sharded": "benchmarks.sharded", "goodput": "benchmarks.goodput",
-                 "all": "benchmarks.all"}
+                 "inplace": "benchmarks.inplace", "all": "benchmarks.all"}

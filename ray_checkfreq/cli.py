@@ -89,7 +89,7 @@ def _parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 # top-level ``benchmarks/`` package, loaded by name only when ``bench`` runs. The names are
 # repeated here so that ``--help`` works without it; tests/test_cli.py keeps both lists equal.
 BENCHMARK_NAMES = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "sharded", "goodput",
-                   "all")
+                   "inplace", "all")
 
 
 def _benchmark_module(name: str):
