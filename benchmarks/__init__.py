@@ -8,6 +8,6 @@ it prints a table and, with ``--json OUT``, writes its figures. harness.py is wh
 
 from benchmarks.cases import BY_NAME, OTHER_MODULES
 
-ORDER = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "sharded", "goodput", "inplace",
-         "all")
+ORDER = ("store", "persist", "codec", "iterator", "stall", "overhead", "restore", "ray", "sharded", "goodput",
+         "inplace", "all")
 BENCHMARKS = {name: BY_NAME[name].module if name in BY_NAME else OTHER_MODULES[name] for name in ORDER}
