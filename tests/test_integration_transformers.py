@@ -63,8 +63,11 @@ def crash_in_a_process(work_dir: str, storage: str, crash_at: int) -> int:
 def assert_same_state(a: dict, b: dict, context: str = "") -> None:
     assert a["global_step"] == b["global_step"] == 3 * STEPS_PER_EPOCH  # no extra epoch
     differing = [key for key in a["model"] if not torch.equal(a["model"][key], b["model"][key])]
-    assert not differing, (f"{context}: {len(differing)} of {len(a['model'])} model tensors differ, first "
-                           f"{differing[0]} by up to {(a['model'][differing[0]] - b['model'][differing[0]]).abs().max()}")
+    if differing:
+        first = differing[0]
+        gap = (a["model"][first] - b["model"][first]).abs().max()
+        raise AssertionError(f"{context}: {len(differing)} of {len(a['model'])} model tensors differ, "
+                             f"first {first} by up to {gap}")
     for index, slots in a["optimizer"]["state"].items():
         for name, value in slots.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"]["state"][index][name])), \

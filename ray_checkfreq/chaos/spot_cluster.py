@@ -71,8 +71,9 @@ class SpotClusterConfig:
     """CPUs each spot node offers (one Ray Train worker each at 1 CPU per worker)."""
     idle_timeout_s: float = 15.0
     """Seconds an idle spot node stays before the autoscaler removes it."""
-    start_timeout_s: float = 60.0
-    """Seconds ``up`` waits for the services and the head."""
+    start_timeout_s: float = 180.0
+    """Seconds ``up`` waits for the services and the head (``ray start --head`` took over 60 s
+    at a load average of 12, beside a test suite)."""
 
     def __post_init__(self) -> None:
         if not self.directory:
