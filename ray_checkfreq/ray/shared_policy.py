@@ -25,7 +25,8 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
   of the best expected goodput (``policy.choose_interval`` with that rate and those
   uptimes, the engine's measured checkpoint cost and the slowest recent persist): fewer
   checkpoints than p allows where losses are rare, more where they are frequent, overhead
-  then up to ``max_overhead``; the adaptive rate then holds k to that overhead instead of p. It is evaluated at each start and persist;
+  then up to ``max_overhead``; the adaptive rate then holds k to that overhead instead of p.
+  It is evaluated at each start and persist;
   ``history`` names what set each k ("profile", "overhead", "persist", "goodput", "cap").
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
