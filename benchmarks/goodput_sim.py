@@ -16,7 +16,7 @@ no restart, no loss) makes on the same nodes: ``sum(n(t) / (full_nodes * iter_s)
 Methods (``Method.kind``):
 - ``checkfreq``: a snapshot to RAM every k iterations (the stall), persisted beside training;
   k from the library's policy (``engine.policy.choose_interval``: p's k, then the k of the
-  best expected goodput at the loss rate observed so far, as the run-wide policy does;
+  best expected goodput at the loss rate and uptimes observed so far, as the run-wide policy does;
   chosen at each restart), or fixed (``every``: the oracle's sweep). A
   preemption falls back to the newest snapshot while any node of the job survives (the
   node agents' RAM copies), else to the newest one persisted; a notice long enough for
@@ -142,12 +142,14 @@ class Outcome:
     k: list[int] = field(default_factory=list)  # the k (or N) of each attempt
 
 
-def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int) -> int:
+def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int,
+             uptimes_s: tuple[float, ...] = ()) -> int:
     """The library policy's k for these costs on ``nodes`` of ``full_nodes`` (the copy not
     hidden by the update), as the run-wide policy decides it (ray/shared_policy.py): p's k
     until a loss was seen; then the k of the best expected goodput at the observed rate of
     losses that need a checkpoint (none where the notice covers a snapshot: those keep
-    everything), within the hard cap on overhead and the lost-work bound."""
+    everything) and the training seconds before each of them (``uptimes_s``), within the
+    hard cap on overhead and the lost-work bound."""
     iteration_s = costs.iteration_s(nodes, full_nodes)
     profile = Profile(iter_s=iteration_s, update_s=iteration_s, cpu_copy_s=costs.snapshot_s(nodes),
                       persist_s=costs.upload_s, size_bytes=int(costs.share_gb(nodes) * GB))
@@ -155,7 +157,7 @@ def policy_k(costs: Costs, mtbf_s: float | None, *, nodes: int, full_nodes: int)
     k_cap = lost_work_cap(costs.epoch_iterations, 0.25, iter_s=iteration_s, floor_s=10.0)  # the engine's default
     restart_s = costs.restart_s + costs.share_gb(nodes) / costs.ram_restore_gbps  # as a run measures it
     return choose_interval(profile, overhead=costs.overhead, loss_rate_per_s=rate, restart_s=restart_s,
-                           k_cap=k_cap).k
+                           k_cap=k_cap, uptimes_s=uptimes_s).k
 
 
 @dataclass
@@ -177,6 +179,8 @@ class _Job:
     ks: list[int] = field(default_factory=list)
     next_check: float = math.inf  # the elastic monitor's next look at the nodes
     from_ram: bool = False  # where the restore of this attempt comes from
+    trained_s: float = 0.0  # seconds this attempt trained, its restart apart
+    uptimes: list[float] = field(default_factory=list)  # trained_s at each preemption
 
     def interval(self) -> int | None:
         kind = self.method.kind
@@ -215,6 +219,7 @@ class _Job:
             start, seconds = start + spent, seconds - spent
             if seconds <= 0:
                 return
+        self.trained_s += seconds
         if not self.history:
             self.history = [(start, self.progress)]
         iteration_s = self.costs.iteration_s(self.nodes, self.fleet.full_nodes)
@@ -260,6 +265,8 @@ class _Job:
         recoverable iteration, then a restart on the ``live`` nodes (a loss while restarting
         begins the restart again)."""
         survivors = min(self.nodes, live)
+        if preemption is not None:
+            self.uptimes.append(self.trained_s)
         back, from_ram = self.recoverable(now, survivors)
         self.from_ram = from_ram
         self.lost += self.progress - back
@@ -280,11 +287,12 @@ class _Job:
         self.nodes = min(live, self.fleet.full_nodes)
         self.waiting = self.nodes < self.fleet.min_nodes
         self.history = []
+        self.trained_s = 0.0
         check = self.fleet.resize_check_s
         self.next_check = now + check if check is not None and not self.waiting else math.inf
         if self.method.kind == "checkfreq":
             self.k = self.method.every or policy_k(self.costs, mtbf_s, nodes=max(1, self.nodes),
-                                                   full_nodes=self.fleet.full_nodes)
+                                                   full_nodes=self.fleet.full_nodes, uptimes_s=tuple(self.uptimes))
         elif self.method.every is not None:
             self.k = self.method.every
         self.ks.append(self.interval() or 0)

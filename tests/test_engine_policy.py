@@ -17,6 +17,7 @@ from ray_checkfreq.engine.policy import (
     critical_overhead_s,
     expected_goodput,
     interval_overhead,
+    lost_per_loss_s,
     smallest_interval_within,
     young_daly_interval_s,
 )
@@ -122,6 +123,48 @@ def test_the_goodput_k_is_the_best_k_within_the_cap(iter_s, copy_s, persist_s, i
 
     assert value(decision.k) >= value(best) - 1e-12
     assert interval_overhead(profile, decision.overhead_s, decision.k) <= MAX_OVERHEAD + 1e-9
+
+
+def test_losses_that_came_before_one_interval_cost_their_uptime_not_half_an_interval():
+    # Per loss at a 100 s period: 5 s trained (all of it lost), 400 s (half a period), the loss to come (half).
+    assert lost_per_loss_s(100.0, [5.0, 400.0]) == pytest.approx((5.0 + 50.0 + 50.0) / 3)
+    assert lost_per_loss_s(100.0) == 50.0  # no uptimes: the memoryless model
+    # A large replicated state, a loss every 500 s: half of them in waves, 40 s after the restart
+    # before. Those cost their 40 s whatever k is, so fewer checkpoints pay than the rate alone says.
+    profile = cpu_profile(update_s=1.0, cpu_copy_s=10.0, persist_s=100.0)  # 10 s stall, 100 s persist
+    memoryless = choose_interval(profile, overhead=0.035, loss_rate_per_s=1 / 500, restart_s=80.0, k_cap=500)
+    long_only = choose_interval(profile, overhead=0.035, loss_rate_per_s=1 / 500, restart_s=80.0, k_cap=500,
+                                uptimes_s=[900.0] * 10)
+    assert long_only.k == memoryless.k  # every loss came after many intervals: half an interval each
+    waves = [40.0, 900.0] * 5
+    bursty = choose_interval(profile, overhead=0.035, loss_rate_per_s=1 / 500, restart_s=80.0, k_cap=500,
+                             uptimes_s=waves)
+    assert bursty.bound == "goodput" and bursty.k > memoryless.k
+
+    def value(k: int) -> float:
+        return expected_goodput(profile, 10.0, k, loss_rate_per_s=1 / 500, restart_s=80.0, uptimes_s=waves)
+
+    low = smallest_interval_within(profile, 10.0, MAX_OVERHEAD)
+    assert value(bursty.k) == pytest.approx(max(value(k) for k in range(low, 501)))
+    with pytest.raises(ValueError, match="uptimes_s has \\[-1.0\\]"):
+        choose_interval(profile, loss_rate_per_s=1 / 500, uptimes_s=[3.0, -1.0])
+
+
+def test_the_goodput_k_can_sit_just_below_an_observed_uptime():
+    # Nine losses 49.6 s into their attempts: G drops where the period passes 49.6 s, and rises
+    # again far above; the best k is the last under it, which no point of the grid is near.
+    profile = cpu_profile(iter_s=0.3226, update_s=0.3226, cpu_copy_s=1.8258, persist_s=19.18, interference_s=1.056)
+    decision = choose_interval(profile, overhead=0.035, mtbf_s=1239.0, restart_s=98.6, k_cap=400,
+                               uptimes_s=[49.6] * 9)
+    low = smallest_interval_within(profile, decision.overhead_s, MAX_OVERHEAD)
+
+    def value(k: int) -> float:
+        return expected_goodput(profile, decision.overhead_s, k, loss_rate_per_s=1 / 1239.0, restart_s=98.6,
+                                uptimes_s=[49.6] * 9)
+
+    best = max(range(low, 401), key=value)
+    assert decision.k == best < 400 and value(best) > value(400)
+    assert best * 0.3226 * (1 + interval_overhead(profile, decision.overhead_s, best)) < 49.6
 
 
 @pytest.mark.parametrize("bad", [dict(iter_s=0), dict(persist_s=-1), dict(size_bytes=-5)])

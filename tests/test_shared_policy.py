@@ -144,6 +144,25 @@ def test_a_notice_that_kept_everything_is_no_loss_that_needs_a_checkpoint():
     assert k == best_k(60.0, 10.0, k_cap=50) < 50
 
 
+def test_each_loss_counts_how_long_its_generation_trained():
+    """Losses in a wave: generation 2 trains 0.3 s (its last iteration report) before it is
+    lost, far under one interval; generation 1 trained 99 s. The k is the model's with those
+    measured uptimes, above the memoryless one at the same rate."""
+    shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
+    shared.start(generation=1, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)
+    shared.record_iterations(generation=1, rank=0, reports=iterations(1, 4), now_s=99.0)
+    shared.start(generation=2, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=100.0)
+    shared.record_iterations(generation=2, rank=0, reports=iterations(5, 3), now_s=100.3)
+    shared.record_iterations(generation=1, rank=0, reports=iterations(9, 1), now_s=150.0)  # an old rank's: ignored
+    k = shared.start(generation=3, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=101.3)
+    profile = Profile(iter_s=TI, update_s=TI, cpu_copy_s=0.0, persist_s=0.0, size_bytes=0, interference_s=0.05)
+    expected = choose_interval(profile, overhead=0.05, loss_rate_per_s=3 / 101.3, restart_s=1.3,
+                               uptimes_s=[99.0, 0.3])
+    memoryless = choose_interval(profile, overhead=0.05, loss_rate_per_s=3 / 101.3, restart_s=1.3)
+    assert shared._uptimes == pytest.approx([99.0, 0.3])
+    assert k == shared.decision()["goodput_k"] == expected.k > memoryless.k, (k, expected.k, memoryless.k)
+
+
 def test_without_a_loss_p_holds_however_long_the_run():
     shared = SharedPolicy(SharedPolicyConfig(overhead=0.05, adaptive=WINDOW))
     shared.start(generation=1, world_size=1, k=4, k_floor=2, iter_s=TI, cost_s=0.05, now_s=0.0)

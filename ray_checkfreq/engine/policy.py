@@ -22,7 +22,13 @@ costs the restart R plus half an interval of recomputation on average, so
 
     G(k) = (1 - rate * (R + P(k) / 2)) / (1 + o(k))    P(k) = k * Ti * (1 + o(k))
 
-with o(k) the overhead at k (``interval_overhead``). Where losses are rare that k is
+with o(k) the overhead at k (``interval_overhead``). Half an interval per loss holds where
+losses are memoryless; a spot fleet's come in waves, and a loss that comes before its
+attempt trained one interval (``uptimes_s``: training seconds from each restart to the loss
+that ended it, as a run observed them) cost what it trained whatever k was, not P(k) / 2.
+So with uptimes, P(k) / 2 is the mean loss ``lost_per_loss_s``: each observed loss's
+uptime where it was under P(k), else P(k) / 2, and P(k) / 2 for the loss to come (which
+holds the estimate to the memoryless one until losses were seen). Where losses are rare that k is
 above p's (fewer checkpoints); where they are frequent it may be below, and overhead then
 exceeds p, up to the hard cap ``max_overhead``. With no loss rate, p's k stands.
 ``Decision.bound`` says which bound set k: "p", "goodput", "cap" (max_overhead) or
@@ -180,21 +186,41 @@ def checkpoint_cost_s(profile: Profile, stall_s: float) -> float:
 MAX_OVERHEAD = 0.15  # the default hard cap on overhead when losses ask for more checkpoints than p allows
 
 
-def expected_goodput(profile: Profile, stall_s: float, k: int, *, loss_rate_per_s: float, restart_s: float) -> float:
+def lost_per_loss_s(period_s: float, uptimes_s: Sequence[float] = ()) -> float:
+    """The mean training seconds a loss costs at this checkpoint period: an observed loss
+    whose attempt trained less than one period lost its uptime, any other half a period
+    (its phase unknown), and the loss to come half a period (module doc)."""
+    if not period_s > 0:
+        raise ValueError(f"period_s={period_s!r}: must be > 0")
+    lost = sum(uptime if uptime < period_s else period_s / 2 for uptime in uptimes_s)
+    return (lost + period_s / 2) / (len(uptimes_s) + 1)
+
+
+def expected_goodput(profile: Profile, stall_s: float, k: int, *, loss_rate_per_s: float, restart_s: float,
+                     uptimes_s: Sequence[float] = ()) -> float:
     """G(k): the share of wall time that becomes kept progress at interval k (module doc)."""
     overhead = interval_overhead(profile, stall_s, k)
     period_s = k * profile.iter_s * (1 + overhead)
-    return max(0.0, 1.0 - loss_rate_per_s * (restart_s + period_s / 2)) / (1 + overhead)
+    lost_s = lost_per_loss_s(period_s, uptimes_s)
+    return max(0.0, 1.0 - loss_rate_per_s * (restart_s + lost_s)) / (1 + overhead)
+
+
+def _check_uptimes(uptimes_s: Sequence[float]) -> None:
+    bad = [uptime for uptime in uptimes_s if not uptime >= 0]
+    if bad:
+        raise ValueError(f"uptimes_s has {bad[:3]!r}: each must be seconds >= 0")
 
 
 def goodput_k(profile: Profile, stall_s: float, *, loss_rate_per_s: float, restart_s: float, k_low: int,
-              k_high: int | None = None) -> int:
+              k_high: int | None = None, uptimes_s: Sequence[float] = ()) -> int:
     """The k in [k_low, k_high] that maximises ``expected_goodput`` (the smallest of equals).
-    G is unimodal in k: every k near the low end, then a geometric grid, then the
-    neighbourhood of the best point of the grid."""
+    G is unimodal in k between the k whose period passes an observed uptime (there it
+    drops: that loss no longer kept one interval): every k near the low end, a geometric
+    grid and the last k below each uptime, then the neighbourhood of the best of those."""
     if loss_rate_per_s < 0 or restart_s < 0 or k_low < 1:
         raise ValueError(f"loss_rate_per_s={loss_rate_per_s!r}, restart_s={restart_s!r}, k_low={k_low!r}: "
                          "must be >= 0, >= 0 and >= 1")
+    _check_uptimes(uptimes_s)
     if loss_rate_per_s == 0:
         return k_high if k_high is not None else max(k_low, persist_interval(profile, stall_s))
     # Far past Young/Daly's interval at the whole cost of a checkpoint G only falls.
@@ -203,24 +229,44 @@ def goodput_k(profile: Profile, stall_s: float, *, loss_rate_per_s: float, resta
     top = max(k_low, min(k_high, reach) if k_high is not None else reach)
 
     def value(k: int) -> float:
-        return expected_goodput(profile, stall_s, k, loss_rate_per_s=loss_rate_per_s, restart_s=restart_s)
+        return expected_goodput(profile, stall_s, k, loss_rate_per_s=loss_rate_per_s, restart_s=restart_s,
+                                uptimes_s=uptimes_s)
 
     grid = set(range(k_low, min(top, k_low + 64) + 1))
     k = k_low
     while k < top:
         k = min(top, max(k + 1, math.ceil(k * 1.05)))
         grid.add(k)
+    grid |= {k for k in (_last_k_within(profile, stall_s, uptime, k_low, top) for uptime in set(uptimes_s))
+             if k is not None}
     best = max(sorted(grid), key=value)
     near = range(max(k_low, math.floor(best / 1.05) - 1), min(top, math.ceil(best * 1.05) + 1) + 1)
     return max(sorted(set(near) | {best}), key=value)
 
 
+def _last_k_within(profile: Profile, stall_s: float, period_s: float, k_low: int, k_high: int) -> int | None:
+    """The largest k in [k_low, k_high] whose period (``interval_overhead`` included) is
+    under ``period_s``; None if none is. The period grows with k."""
+    def period(k: int) -> float:
+        return k * profile.iter_s * (1 + interval_overhead(profile, stall_s, k))
+
+    if period(k_low) >= period_s:
+        return None
+    low, high = k_low, k_high
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if period(middle) < period_s else (low, middle - 1)
+    return low
+
+
 def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float | None = None,
                     k_cap: int | None = None, loss_rate_per_s: float | None = None, restart_s: float = 60.0,
-                    max_overhead: float = MAX_OVERHEAD) -> Decision:
+                    max_overhead: float = MAX_OVERHEAD, uptimes_s: Sequence[float] = ()) -> Decision:
     """CheckFreq's k, never below what the measured cost allows at p; with a loss rate
     (``loss_rate_per_s``, or 1 / ``mtbf_s``) the k of the best expected goodput, whose
-    overhead may exceed p up to ``max_overhead``; never above ``k_cap`` (the lost-work bound)."""
+    overhead may exceed p up to ``max_overhead`` (each loss costing what ``uptimes_s``, the
+    observed training seconds before each loss, say it did: ``lost_per_loss_s``); never
+    above ``k_cap`` (the lost-work bound)."""
     if k_cap is not None and k_cap < 1:
         raise ValueError(f"k_cap={k_cap!r}: must be >= 1")
     if not 0 < max_overhead < 1:
@@ -240,10 +286,12 @@ def choose_interval(profile: Profile, *, overhead: float = 0.035, mtbf_s: float 
     if rate is not None and (rate > 0 or k_cap is not None):
         young_daly_k = goodput_interval(cost, 1 / rate, profile.iter_s) if rate > 0 else None
         k_low = smallest_interval_within(profile, stall, max_overhead)
-        k = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=k_low, k_high=k_cap)
-        best_unbounded = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=1, k_high=k_cap)
+        k = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=k_low, k_high=k_cap,
+                      uptimes_s=uptimes_s)
+        best_unbounded = goodput_k(profile, stall, loss_rate_per_s=rate, restart_s=restart_s, k_low=1, k_high=k_cap,
+                                   uptimes_s=uptimes_s)
         bound = "cap" if k == k_low and best_unbounded < k_low else "goodput"
-        goodput = expected_goodput(profile, stall, k, loss_rate_per_s=rate, restart_s=restart_s)
+        goodput = expected_goodput(profile, stall, k, loss_rate_per_s=rate, restart_s=restart_s, uptimes_s=uptimes_s)
     k_uncapped = None
     if k_cap is not None and k > k_cap:
         k, k_uncapped, bound = k_cap, k, "lost_work"

@@ -64,7 +64,8 @@ class PolicyActor:
         if self._policy is not None:
             reports = [IterationReport(iteration=int(i), iter_s=float(t), stall_s=float(s), busy=bool(b))
                        for i, t, s, b in rows]
-            self._policy.record_iterations(generation=generation, rank=rank, reports=reports)
+            self._policy.record_iterations(generation=generation, rank=rank, reports=reports,
+                                           now_s=time.monotonic())
 
     def record_persist(self, generation: int, report: dict) -> None:
         if self._policy is not None:

@@ -19,11 +19,14 @@ Rank 0's engine profiles the job and proposes k (``start``). From then on:
   that need a checkpoint (``policy.mtbf_estimate``; a restart after a notice whose
   checkpoint kept everything, ``lost_work=False``, is not one of them) and the restart cost
   (the time from the last report of the previous generation to the new start: at most one
-  checkpoint interval over). Once a loss was seen, k is the one of the best expected
-  goodput (``policy.choose_interval`` with that rate, the engine's measured checkpoint cost
-  and the slowest recent persist): fewer checkpoints than p allows where losses are rare,
-  more where they are frequent, overhead then up to ``max_overhead``; the adaptive rate
-  then holds k to that overhead instead of p. It is evaluated at each start and persist;
+  checkpoint interval over), and how long each generation that ended in such a loss
+  trained (its start to its last report: ``uptimes_s``, so that a loss that came before one
+  interval counts what it cost, not half an interval). Once a loss was seen, k is the one
+  of the best expected goodput (``policy.choose_interval`` with that rate and those
+  uptimes, the engine's measured checkpoint cost and the slowest recent persist): fewer
+  checkpoints than p allows where losses are rare, more where they are frequent, overhead
+  then up to ``max_overhead``; the adaptive rate then holds k to that overhead instead of p.
+  It is evaluated at each start and persist;
   ``history`` names what set each k ("profile", "overhead", "persist", "goodput", "cap").
 
 Reports carry the run's writer generation: a report of an older generation (a rank or
@@ -108,6 +111,9 @@ class SharedPolicy:
         self._restart_s: float | None = None  # the last restart's measured cost
         self._last_seen_s = 0.0  # the newest report's clock
         self._first_start_s: float | None = None
+        self._generation_start_s = 0.0
+        self._last_report_s = 0.0  # the newest report of this generation (iterations included)
+        self._uptimes: list[float] = []  # seconds each generation that ended in a loss trained
         self._cost_s = 0.0  # what one checkpoint costs training, as the engine measured it
         self._now_s = 0.0
 
@@ -128,6 +134,10 @@ class SharedPolicy:
             self._restarts += 1
             self._lossy_restarts += bool(lost_work)
             self._restart_s = max(0.0, now_s - self._last_seen_s)
+            if lost_work:
+                self._uptimes.append(max(0.0, self._last_report_s - self._generation_start_s))
+        if generation > self.generation:
+            self._generation_start_s = self._last_report_s = now_s
         self._now_s, self._cost_s = max(self._now_s, now_s), cost_s
         self._last_seen_s = max(self._last_seen_s, now_s)
         self._k_cap = k_cap
@@ -151,9 +161,12 @@ class SharedPolicy:
         return self._rate.k if self._rate is not None else None
 
     # ---------------------------------------------------------------- reports
-    def record_iterations(self, *, generation: int, rank: int, reports: list[IterationReport]) -> None:
+    def record_iterations(self, *, generation: int, rank: int, reports: list[IterationReport],
+                          now_s: float | None = None) -> None:
         if generation != self.generation or self._rate is None or not 0 <= rank < self.world_size:
             return  # an old group's rank, or before start: nothing to aggregate yet
+        if now_s is not None and reports:
+            self._last_report_s = max(self._last_report_s, now_s)
         for report in reports:
             self._pending.setdefault(report.iteration, {})[rank] = report
             if len(self._pending[report.iteration]) == self.world_size:
@@ -169,6 +182,7 @@ class SharedPolicy:
         if now_s is not None:
             self._now_s = max(self._now_s, now_s)
             self._last_seen_s = max(self._last_seen_s, now_s)
+            self._last_report_s = max(self._last_report_s, now_s)
         self._apply_floor()
 
     def _aggregate(self, iteration: int, by_rank: dict[int, IterationReport]) -> None:
@@ -208,7 +222,7 @@ class SharedPolicy:
         restart_s = self._restart_s if self._restart_s is not None else self.config.restart_s
         return choose_interval(profile, overhead=self.config.overhead, k_cap=self._k_cap,
                                loss_rate_per_s=self._lossy_restarts and 1 / mtbf, restart_s=restart_s,
-                               max_overhead=self.config.max_overhead)
+                               max_overhead=self.config.max_overhead, uptimes_s=self._uptimes)
 
     def _apply_floor(self) -> None:
         rate = self._rate
