@@ -209,6 +209,11 @@ def test_a_loss_of_every_replica_restarts_from_storage_as_ours_does() -> None:
     assert ours.lost_iterations > 0 and placed.lost_iterations == pytest.approx(ours.lost_iterations)
     assert placed.restart_s == pytest.approx(30 + 1.0)  # from storage: no RAM copy survives
     assert placed.iterations == pytest.approx(ours.iterations)
+    # a node lost while the whole job restarts (both nodes back at once): the restart begins again
+    fleet = Fleet([(0.0, 0, 2), (100.5, 2, 2), (110.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    again = simulate(fleet, PLACED, IN_PLACE)
+    assert again.restarts == 2 and again.replica_losses == 0
+    assert again.restart_s == pytest.approx(9.5 + 31) and again.lost_iterations == pytest.approx(ours.lost_iterations)
     # the last training replica lost while its replacement joins (104 s): the whole job
     fleet = Fleet([(0.0, 0, 2), (100.0, 1, 2), (102.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
     placed = simulate(fleet, PLACED, IN_PLACE)
