@@ -10,7 +10,11 @@
    slice: its goodput beside the measured one, per method.
 3. The model at full scale over the whole trace for each ``--state-gb``: every method,
    each mechanism's best fixed interval chosen knowing the whole trace (an oracle no user
-   has), and ours as a share of its oracle. Those costs are the options' (stated).
+   has), and ours as a share of its oracle. Those costs are the options' (stated). Beside
+   ours with group restarts, ours in place (torchft replica groups, ``goodput_sim.py``'s
+   ``inplace``: a lost replica replaced and healed from a live peer while the others train
+   on; a fixed worker count, ``--in-place-replicas``; ``--pause-s``, ``--heal-s``,
+   ``--heal-gbps``, ``--quorum-overhead``), and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--every", type=int, default=100, help="N of the every-N baselines (default 100)")
     add("--epoch-iterations", type=int, default=Costs.epoch_iterations)
     add("--sharded", action="store_true", help="the state sharded over the job's nodes (FSDP2)")
+    add("--in-place-replicas", type=int, default=None,
+        help="ours in place: its fixed worker count, one replica each (default: the trace's peak)")
+    add("--pause-s", type=float, default=Costs.pause_s, help="ours in place: the survivors' pause at a replica loss")
+    add("--heal-s", type=float, default=Costs.heal_s,
+        help="ours in place: a free node -> its replacement in the quorum, the state's transfer apart")
+    add("--heal-gbps", type=float, default=Costs.heal_gbps,
+        help="ours in place: a live peer's send of the state to a replacement, GB/s (the survivors wait for it)")
+    add("--quorum-overhead", type=float, default=Costs.quorum_overhead,
+        help="ours in place: torchft's per-step quorum, a fraction of each step (default 0.01: stated, not measured)")
     add("--json", default=None, help="write the figures here too")
     add("--model-only", action="store_true", help="skip the replay (parts 1 and 2)")
     add("--replay-start", type=float, default=10800.0, help="trace second the replay's slice begins at")
@@ -63,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     window = TraceSlice(start_s=args.trace_start, duration_s=args.trace_duration)
     fleet = _fleet(args.trace, window)
     base = Costs(iter_s=args.iter_s, storage_gbps=args.storage_gbps, restart_s=args.restart_s,
-                 notice_s=args.notice_s, epoch_iterations=args.epoch_iterations, sharded=args.sharded)
+                 notice_s=args.notice_s, epoch_iterations=args.epoch_iterations, sharded=args.sharded,
+                 pause_s=args.pause_s, heal_s=args.heal_s, heal_gbps=args.heal_gbps,
+                 quorum_overhead=args.quorum_overhead)
     print(f"trace {args.trace}: {len(fleet.instants)} instants, "
           f"{sum(1 for _, removed, _ in fleet.instants if removed)} with preemptions, up to {fleet.full_nodes} "
           f"nodes, {(fleet.end_s or 0) / 3600:.1f} h")
@@ -71,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     figures = {}
     for size in [float(part) for part in args.state_gb.split(",")]:
         costs = replace(base, state_gb=size)
-        figures[f"{size:g} GB"] = _one_size(fleet, costs, args.every)
+        figures[f"{size:g} GB"] = _one_size(fleet, costs, args.every, in_place_replicas=args.in_place_replicas)
     if args.json:
         Path(args.json).write_text(json.dumps({"replay": replay, "costs": asdict(base), "sizes": figures}, indent=1))
     return 0
@@ -131,7 +146,8 @@ def _fleet(path: str, window: TraceSlice) -> Fleet:
     return Fleet(kept, full_nodes=max(live for _, _, live in kept), end_s=end - window.start_s)
 
 
-def _one_size(fleet: Fleet, costs: Costs, every: int) -> dict:
+def _one_size(fleet: Fleet, costs: Costs, every: int, *, in_place_replicas: int | None = None) -> dict:
+    in_place = None if costs.sharded else Method(name="ours in place", kind="inplace", replicas=in_place_replicas)
     methods = [Method(name="ours (policy)", kind="checkfreq"),
                Method(name="Ray Train, per epoch", kind="epoch"),
                Method(name=f"sync every {every}", kind="sync", every=every),
@@ -140,17 +156,37 @@ def _one_size(fleet: Fleet, costs: Costs, every: int) -> dict:
     outcomes = [simulate(fleet, method, costs) for method in methods]
     oracles = [oracle(fleet, Method(name=name, kind=kind, every=1), costs)
                for name, kind in (("ours", "checkfreq"), ("async", "async"), ("sync", "sync"))]
+    placed = simulate(fleet, in_place, costs) if in_place else None
+    placed_best = oracle(fleet, replace(in_place, name="ours in place", every=1), costs) if in_place else None
     print(f"\n{costs.state_gb:g} GB state, storage {costs.storage_gbps:g} GB/s, iteration {costs.iter_s:g} s"
           f"{', sharded' if costs.sharded else ''}:")
     print(f"{'method':30s} {'goodput':>8s} {'recomputed':>11s} {'restarts':>8s} {'stalled s':>10s} "
           f"{'restarting s':>12s}")
-    for outcome in outcomes + oracles:
+    for outcome in outcomes[:1] + ([placed] if placed else []) + outcomes[1:] + oracles[:1] + (
+            [placed_best] if placed_best else []) + oracles[1:]:
         print(_row(outcome))
     share = outcomes[0].goodput / oracles[0].goodput if oracles[0].goodput else 0.0
     print(f"ours / its oracle fixed interval: {share:.3f}; ours / Ray Train per epoch: "
           f"{_ratio(outcomes[0].goodput, outcomes[1].goodput)}")
-    return {"methods": [_as_json(o) for o in outcomes], "oracles": [_as_json(o) for o in oracles],
-            "ours_over_oracle": round(share, 4)}
+    figures = {"methods": [_as_json(o) for o in outcomes], "oracles": [_as_json(o) for o in oracles],
+               "ours_over_oracle": round(share, 4)}
+    if placed and placed_best:
+        figures["in_place"] = _as_json(placed)
+        figures["in_place_oracle"] = _as_json(placed_best)
+        figures["in_place_over_ours"] = round(placed.goodput / outcomes[0].goodput, 4) if outcomes[0].goodput else None
+        print(_in_place_lines(placed, placed_best, outcomes[0], costs, in_place_replicas or fleet.full_nodes))
+    return figures
+
+
+def _in_place_lines(placed: Outcome, best: Outcome, ours: Outcome, costs: Costs, replicas: int) -> str:
+    share = placed.goodput / best.goodput if best.goodput else 0.0
+    return (f"ours in place / ours with group restarts: {_ratio(placed.goodput, ours.goodput, digits=3)}; "
+            f"ours in place / its oracle fixed interval: {share:.3f}\n"
+            f"  in place: {replicas} replicas; {placed.replica_losses} replica losses survived, "
+            f"{placed.restarts} whole-job restarts; paused {placed.paused_s:.0f} s (a loss {costs.pause_s:g} s, "
+            f"a peer's send {costs.transfer_s:g} s); {placed.short_iterations:.0f} iterations short while "
+            f"replacements joined ({costs.heal_s:g} s each); the ideal's {placed.waited_iterations:.0f} iterations "
+            f"before {replicas} nodes were live; quorum {costs.quorum_overhead:.1%} of each step")
 
 
 def _row(outcome: Outcome) -> str:
@@ -158,8 +194,8 @@ def _row(outcome: Outcome) -> str:
             f"{outcome.stall_s:10.0f} {outcome.restart_s:12.0f}")
 
 
-def _ratio(ours: float, other: float) -> str:
-    return f"{ours / other:.1f}x" if other > 0 else "inf (the baseline keeps nothing)"
+def _ratio(ours: float, other: float, *, digits: int = 1) -> str:
+    return f"{ours / other:.{digits}f}x" if other > 0 else "inf (the baseline keeps nothing)"
 
 
 def _as_json(outcome: Outcome) -> dict:

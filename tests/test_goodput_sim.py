@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.goodput_sim import Costs, Fleet, Method, oracle, policy_k, simulate
+from benchmarks.goodput_sim import Costs, Fleet, Method, oracle, policy_k, rate_k, simulate
 
 # 1 s iterations on 2 nodes; 1 GB: a snapshot 0.1 s, torch.save 0.5 s, an upload 1 s.
 COSTS = Costs(iter_s=1.0, state_gb=1.0, snapshot_gbps=10.0, serialize_gbps=2.0, storage_gbps=1.0,
@@ -98,7 +98,12 @@ def test_bench_goodput_projects_a_slice_of_the_shipped_trace(tmp_path, capsys) -
     assert all(m["restarts"] == methods["no checkpoint"]["restarts"] > 0 for m in methods.values())
     assert methods["ours (policy)"]["goodput"] > methods["sync every 100"]["goodput"]
     assert 0.9 < figures["ours_over_oracle"] <= 1.1
-    assert "ours / its oracle fixed interval" in capsys.readouterr().out
+    placed = figures["in_place"]
+    assert placed["restarts"] == 0 and placed["replica_losses"] == methods["no checkpoint"]["restarts"]
+    ratio = placed["goodput"] / methods["ours (policy)"]["goodput"]
+    assert ratio > 1 and figures["in_place_over_ours"] == pytest.approx(ratio, abs=1e-4)
+    out = capsys.readouterr().out
+    assert "ours / its oracle fixed interval" in out and "ours in place / ours with group restarts" in out
 
 
 def test_a_step_that_no_node_count_shortens_trains_at_one_rate_on_any_number_of_nodes() -> None:
@@ -149,3 +154,103 @@ def test_each_restart_can_take_its_own_measured_seconds() -> None:
     assert none.lost_iterations == pytest.approx(100 + 190) and none.iterations == pytest.approx(1000 - 350)
     with pytest.raises(ValueError, match="restarts_s=.*-1"):
         Costs(restarts_s=(-1.0,))
+
+
+# In place (kind "inplace"): every=10, no quorum cost unless stated; a loss pauses the
+# survivors 2 s, a replacement joins 4 s after its node is there, a peer's send takes 2 s.
+IN_PLACE = Costs(**{**COSTS.__dict__, "pause_s": 2.0, "heal_s": 4.0, "heal_gbps": 0.5, "quorum_overhead": 0.0})
+PLACED = Method(name="in place", kind="inplace", every=10)
+FULL, HALF = 10 / 10.1, 10 / 20.1  # iterations a second on both replicas, on one (2 s iterations)
+
+
+def test_a_replica_loss_with_a_node_at_hand_costs_that_replicas_share_until_its_replacement_joined() -> None:
+    # Node 2 of 2 goes at 105 s and a node comes at once: no pause, no send (the share alone)
+    fleet = Fleet([(0.0, 0, 2), (105.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    share_only = Costs(**{**IN_PLACE.__dict__, "pause_s": 0.0, "heal_gbps": 1e12})
+    placed = simulate(fleet, PLACED, share_only)
+    assert placed.restarts == 0 and placed.lost_iterations == 0 and placed.replica_losses == 1
+    assert placed.iterations == pytest.approx(1000 * FULL - 4.0 * (FULL - HALF))  # half the speed for heal_s
+    assert placed.short_iterations == pytest.approx(4.0 * (FULL - HALF))
+    assert placed.ideal_iterations == pytest.approx(1000)
+    # with the survivors' pause (2 s) and the peer's send (2 s) at the join, 109 to 111 s
+    paused = simulate(fleet, PLACED, IN_PLACE)
+    assert paused.paused_s == pytest.approx(2.0 + 2.0)
+    assert paused.iterations == pytest.approx((105 + 889) * FULL + 2.0 * HALF)
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    assert ours.restarts == 1 and paused.iterations > ours.iterations + 25  # a 30 s restart saved
+
+
+def test_a_spare_node_beyond_the_worker_count_replaces_a_lost_replica_at_once() -> None:
+    # 2 replicas on a fleet of 3 (an iteration 1.5 s on 2 of 3): the removal takes a replica
+    # (the worst case), the spare heals in
+    fleet = Fleet([(0.0, 0, 3), (100.0, 1, 2), (1000.0, 0, 2)], full_nodes=3)
+    placed = simulate(fleet, Method(name="in place", kind="inplace", every=10, replicas=2), IN_PLACE)
+    two, one = 10 / 15.1, 10 / 30.1
+    assert placed.replica_losses == 1 and placed.restarts == 0
+    assert placed.iterations == pytest.approx(100 * two + 2 * one + (1000 - 106) * two)
+    assert placed.ideal_iterations == pytest.approx(100 + 900 * 2 / 3)  # the ideal uses all 3 first
+
+
+def test_without_a_node_for_the_replacement_the_survivors_train_on_at_reduced_size() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 1), (600.0, 0, 2), (1000.0, 0, 2)], full_nodes=2)
+    placed = simulate(fleet, PLACED, IN_PLACE)
+    assert placed.restarts == 0 and placed.lost_iterations == 0 and placed.replica_losses == 1
+    # paused 100-102, one replica to 604 (the node came at 600), the send to 606
+    assert placed.iterations == pytest.approx(100 * FULL + (604 - 102) * HALF + (1000 - 606) * FULL)
+    assert placed.short_iterations == pytest.approx(4 * (FULL - HALF))  # a node was there for 4 s only
+    assert placed.ideal_iterations == pytest.approx(100 + 500 / 2 + 400)
+
+
+def test_a_loss_of_every_replica_restarts_from_storage_as_ours_does() -> None:
+    fleet = Fleet([(0.0, 0, 2), (100.5, 2, 0), (200.0, 0, 2), (1000.0, 0, 2)], full_nodes=2)
+    placed = simulate(fleet, PLACED, IN_PLACE)
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq", every=10), COSTS)
+    assert placed.restarts == ours.restarts == 1 and placed.replica_losses == 0
+    assert ours.lost_iterations > 0 and placed.lost_iterations == pytest.approx(ours.lost_iterations)
+    assert placed.restart_s == pytest.approx(30 + 1.0)  # from storage: no RAM copy survives
+    assert placed.iterations == pytest.approx(ours.iterations)
+    # a node lost while the whole job restarts (both nodes back at once): the restart begins again
+    fleet = Fleet([(0.0, 0, 2), (100.5, 2, 2), (110.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    again = simulate(fleet, PLACED, IN_PLACE)
+    assert again.restarts == 2 and again.replica_losses == 0
+    assert again.restart_s == pytest.approx(9.5 + 31) and again.lost_iterations == pytest.approx(ours.lost_iterations)
+    # the last training replica lost while its replacement joins (104 s): the whole job
+    fleet = Fleet([(0.0, 0, 2), (100.0, 1, 2), (102.0, 1, 2), (1000.0, 0, 2)], full_nodes=2)
+    placed = simulate(fleet, PLACED, IN_PLACE)
+    assert placed.replica_losses == 1 and placed.restarts == 1 and placed.restart_s == pytest.approx(31)
+
+
+def test_the_job_starts_once_its_worker_count_is_live_and_pays_the_quorum_on_every_step() -> None:
+    fleet = Fleet([(0.0, 0, 1), (100.0, 0, 2), (1100.0, 0, 2)], full_nodes=2)
+    quorum = Costs(**{**IN_PLACE.__dict__, "quorum_overhead": 0.05})
+    placed = simulate(fleet, PLACED, quorum)
+    assert placed.waited_iterations == pytest.approx(50) == placed.ideal_iterations - 1000
+    assert placed.iterations == pytest.approx(1000 * 10 / (10 * 1.05 + 0.1))
+
+
+def test_in_place_k_comes_from_the_rate_of_losses_of_the_whole_job_only() -> None:
+    # two replica losses with a node at hand, then a loss of both replicas at 3000 s
+    fleet = Fleet([(0.0, 0, 2), (1000.0, 1, 2), (2000.0, 1, 2), (3000.0, 2, 2), (6000.0, 0, 2)], full_nodes=2)
+    costs = Costs(**{**IN_PLACE.__dict__, "epoch_iterations": 2000})  # a lost-work bound of 500
+    placed = simulate(fleet, Method(name="in place", kind="inplace"), costs)
+    p_k = rate_k(costs, None, nodes=2, full_nodes=2, from_storage=True)
+    none_lossy = rate_k(costs, 0.0, nodes=2, full_nodes=2, from_storage=True)  # as few as the bound allows
+    lossy = rate_k(costs, 1 / 1500, nodes=2, full_nodes=2, from_storage=True)  # mtbf_estimate(3000 s, 1)
+    assert (p_k, none_lossy) == (3, 500) and lossy not in (p_k, none_lossy)
+    assert placed.k == [p_k, none_lossy, none_lossy, lossy]
+    ours = simulate(fleet, Method(name="ours", kind="checkfreq"), costs)
+    assert ours.k[1] == policy_k(costs, 1000 / 2, nodes=2, full_nodes=2) not in (none_lossy, lossy)  # every loss
+
+
+def test_in_place_settings_are_checked() -> None:
+    fleet = Fleet([(0.0, 0, 2), (10.0, 0, 2)], full_nodes=2)
+    with pytest.raises(ValueError, match="replicas=3 > the fleet's full_nodes=2"):
+        simulate(fleet, Method(name="x", kind="inplace", replicas=3), IN_PLACE)
+    with pytest.raises(ValueError, match="sharded=True"):
+        simulate(fleet, PLACED, Costs(**{**IN_PLACE.__dict__, "sharded": True}))
+    with pytest.raises(ValueError, match="replicas=2: only for kind 'inplace'"):
+        Method(name="x", kind="checkfreq", replicas=2)
+    with pytest.raises(ValueError, match="pause_s=-1"):
+        Costs(pause_s=-1.0)
+    with pytest.raises(ValueError, match="heal_gbps=0"):
+        Costs(heal_gbps=0.0)
