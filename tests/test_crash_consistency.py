@@ -58,6 +58,7 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
     context = multiprocessing.get_context("fork")
     returned = 0
     interrupted = 0
+    unfinished = 0  # savers in a row killed before any save() of theirs returned
     for _ in range(KILLS):
         receiver, sender = context.Pipe(duplex=False)
         child = context.Process(target=_saver, args=(root, sender), daemon=True)
@@ -66,12 +67,15 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
         time.sleep(rng.uniform(0.005, 0.25))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
+        finished_one = False
         while receiver.poll():
             try:
                 returned = max(returned, receiver.recv())
+                finished_one = True
             except EOFError:
                 break
         receiver.close()
+        unfinished = 0 if finished_one else unfinished + 1
 
         store = CheckpointStore(root, keep_last=KEEP_LAST)
         interrupted += any(ref is None and fault is None for ref, _, fault in store.scan())
@@ -81,8 +85,10 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(tmp_path):
         if latest is not None:
             store.verify(latest)
             assert _equal(expected_state(latest.step), store.load())
-            # keep_last, plus the full base of kept deltas, plus one committed just before the kill
-            assert len(store.list()) <= KEEP_LAST + 2
+            # keep_last, plus the full base of kept deltas, plus one committed just before the kill;
+            # a saver killed between its commit and its retention leaves one more, until a save
+            # returns (its retention removes them all): on a loaded machine several in a row did
+            assert len(store.list()) <= KEEP_LAST + 2 + unfinished
             # every restarted saver is a new writer: the newest one's newest save is the latest
             assert latest.writer_generation == max(ref.writer_generation for ref in store.list())
     assert returned > KILLS, "the saver made progress between kills"
