@@ -26,13 +26,15 @@ import torch.distributed as dist
 from store_helpers import part_store
 
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig, EngineSeams
+from ray_checkfreq.engine.agreement import DAMAGED as DAMAGED_PART
+from ray_checkfreq.engine.agreement import FAILED, READY, PeerRestoreError, outcome_code, settle
 from ray_checkfreq.engine.restore import optimizer_by_name, parameter_names
 from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.ray.decisions import BroadcastDecisions
 from ray_checkfreq.storage.store import CheckpointStore
 from ray_checkfreq.storage.tree import leaves_of
 
-EVERY, TOTAL, DAMAGED = 3, 6, 6
+EVERY, TOTAL, DAMAGED = 3, 6, 6  # DAMAGED: the step whose byte is flipped
 ROWS = 512  # inp.weight: 512 x 8 float64 = 32 KiB, 8 CRC blocks of 4 KiB; rank 1 of 2 holds rows 256-511
 BLOCK = 4096
 BATCH = 12
@@ -223,3 +225,29 @@ def test_load_sharded_of_a_step_one_rank_cannot_read_raises_on_every_rank_and_fa
 def test_a_replicated_step_one_rank_cannot_read_falls_back_on_every_rank(restored: Path) -> None:
     assert [r["start"] for r in _report(restored, "replicated")] == [EVERY, EVERY]
     _same(jobs.load_arrays(restored / "replicated.npz"), jobs.load_arrays(restored / "plain-3.npz"))
+
+
+# ------------------------------------------------------------------ the rule, alone
+def _raised(error: Exception | None, codes: list[int]) -> BaseException | None:
+    try:
+        settle(error, codes, where="step 6")
+    except Exception as raised:
+        return raised
+    return None
+
+
+def test_the_worst_outcome_of_any_rank_decides_what_every_rank_raises() -> None:
+    """Damage anywhere: every rank raises CorruptCheckpointError (so every restore loop
+    falls back in step); any other failure anywhere: no rank raises one (none falls back
+    alone), a rank's own error stays its own."""
+    damaged = CorruptCheckpointError("part-r00001.bin", "checksum mismatch")
+    other = OSError("disk gone")
+    assert _raised(None, [READY, READY]) is None
+    assert _raised(damaged, [DAMAGED_PART, READY]) is damaged
+    peer = _raised(None, [READY, DAMAGED_PART])
+    assert isinstance(peer, CorruptCheckpointError) and "rank(s) [1] of 2" in str(peer)
+    assert _raised(other, [READY, FAILED]) is other
+    stopped = _raised(damaged, [DAMAGED_PART, FAILED])  # not CorruptCheckpointError: it would fall back alone
+    assert isinstance(stopped, PeerRestoreError) and stopped.ranks == [1] and stopped.__cause__ is damaged
+    assert isinstance(_raised(None, [FAILED, DAMAGED_PART, READY]), PeerRestoreError)
+    assert [outcome_code(e) for e in (None, damaged, other)] == [READY, DAMAGED_PART, FAILED]
