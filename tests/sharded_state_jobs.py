@@ -32,6 +32,28 @@ def spawn(job: Any, world: int, root: str) -> None:
     spawn_gloo(job, world, Path(root))
 
 
+def spawn_within(job: Any, world: int, root: str, timeout_s: float) -> None:
+    """``spawn``, but ranks still running after ``timeout_s`` (a hang in a collective) are
+    killed and TimeoutError raised: a hang fails the test, not the suite."""
+    import time
+    import uuid
+
+    import torch.multiprocessing as mp
+
+    from benchmarks.sharded_job import _entry
+
+    rendezvous = Path(root) / f"rendezvous-{uuid.uuid4().hex}"
+    context = mp.spawn(_entry, args=(world, f"file://{rendezvous}", job, str(root)), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            alive = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{job.__name__}: ranks {alive} of {world} still running after {timeout_s} s (a hang)")
+
+
 # ------------------------------------------------------------------ model and training
 class Net(torch.nn.Module):
     """Uneven on purpose: 7, 5 and 2 rows split unevenly over 2, 3 and 4 ranks (2 over 3

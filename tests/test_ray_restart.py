@@ -318,3 +318,45 @@ def test_the_stop_moves_earlier_when_the_iterations_slow_down_after_a_notice(mon
     assert engine.stop_at < first_plan
     assert clock.now + 0.03 <= notice.deadline_s  # the stop checkpoint starts before the deadline
     assert handling.notices[-1]["iteration"] == engine.stop_at
+
+
+class _ShardedEngine:
+    """What a sharded restore calls on the engine, recorded (the loads return their step)."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[int, dict]] = []
+
+    def load_sharded(self, step: int, **options: Any) -> int:
+        self.loads.append((step, options))
+        return step
+
+    def rank_snapshot_mismatch(self, state: Any) -> str | None:
+        return None
+
+
+def test_a_sharded_restore_from_storage_asks_the_engine_to_fall_back_with_every_rank(tmp_path, monkeypatch):
+    """Rank 0 chose the newest commit from listings alone; a rank's part of it may be
+    damaged, so every storage load the protocol makes lets the engine fall back past it
+    on every rank together (``load_sharded(step, fall_back=True)``; the fallback itself:
+    tests/test_sharded_restore_agreement.py): from storage chosen, and from storage after
+    the RAM copies turned out unusable on some rank."""
+    from dataclasses import asdict
+
+    from ray_checkfreq.ray.restart import Decided
+    from ray_checkfreq.ray.shard_copies import RankSource
+
+    protocol = RestartProtocol(rank=0, world_size=2, run=RUN, node_id="a", nodes=["a", "b"],
+                               store=CheckpointStore(str(tmp_path)), group=None, wait_s=0.0, warn_every_s=60.0,
+                               sharded=True)
+    engine = _ShardedEngine()
+    chosen = RestoreChoice(kind="storage", step=9, committed_step=9)
+    restored = protocol.apply(Decided(chosen, generation=3, notice_record=None), engine)
+    assert (restored.iteration, restored.info["kind"]) == (9, "storage")
+    monkeypatch.setattr(restart, "read_rank_source", lambda source, **_: {"rank": source.owner})
+    monkeypatch.setattr(restart, "all_gather_json", lambda why, **_: [why, "its slot is torn"])  # rank 1's
+    sources = [asdict(RankSource(kind="slot", node_id=node, owner=rank, step=12, generation=3, path="/x", seq=1))
+               for rank, node in enumerate("ab")]
+    in_ram = RestoreChoice(kind="slot", step=12, committed_step=9, sources=sources)
+    restored = protocol.apply(Decided(in_ram, generation=3, notice_record=None), engine)
+    assert (restored.iteration, restored.info["kind"]) == (9, "storage")
+    assert engine.loads == [(9, {"fall_back": True})] * 2

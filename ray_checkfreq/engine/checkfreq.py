@@ -39,6 +39,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 
 from ray_checkfreq.engine.adaptive import AdaptiveRate
+from ray_checkfreq.engine.agreement import RankAgreement
 from ray_checkfreq.engine.config import CheckFreqConfig, config_from
 from ray_checkfreq.engine.executor import Executor, ShardedMode, TrainingState, is_plain
 from ray_checkfreq.engine.persist import PersistResult
@@ -51,7 +52,7 @@ from ray_checkfreq.engine.seams import EngineSeams, LocalDecisions, set_local_rn
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
 from ray_checkfreq.engine.state import state_adapter
 from ray_checkfreq.engine.stats import CHECKPOINT_CAUSES, EngineStats, PolicyNow, report
-from ray_checkfreq.errors import CorruptCheckpointError
+from ray_checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ray_checkfreq.storage import CheckpointStore
 from ray_checkfreq.storage.store import as_store
 
@@ -151,6 +152,7 @@ class CheckFreq:
         self._mode_of: Decision | None = None  # the decision whose snapshot mode is set
         self._begun = self._started = self._closed = False
         self._last_step_t: float | None = None
+        self._restore_group: Any = None  # sharded, several ranks: made by the first restore (``_agreement``)
         self._busy_after_step = False
         self._hooks = [optimizer.register_step_pre_hook(self._executor.before_update),
                        optimizer.register_step_post_hook(self._after_update)]
@@ -178,10 +180,14 @@ class CheckFreq:
         gathered whole, a sharded one reads its boxes of a replicated checkpoint. The
         optimizer's state is matched by the place of each parameter in its groups.
 
-        Sharded mode (a model with DTensor parameters): alone (world size 1), the newest
-        committed step after ``salvage()``; with more ranks the caller chooses the step
-        (rank 0, handing its writer generation to the others: ``store.adopt_generation``)
-        and every rank calls ``load_sharded``.
+        Sharded mode (a model with DTensor parameters): every rank calls ``restore()``
+        (a collective, over a gloo group of every rank: ``EngineSeams.restore_group``, or
+        one the engine makes). Rank 0 takes the writer generation, commits a step whose
+        parts were all written (``salvage()``) and lists the committed steps; every rank
+        adopts that generation and loads the newest step that EVERY rank can read: each
+        rank checks its own part first, and when any rank's part is damaged all of them
+        fall back to the next older step together, so no two ranks ever resume at
+        different steps and none waits for another that gave up.
         """
         if self._sharded is not None:
             return self._restore_sharded(self._sharded)
@@ -195,43 +201,79 @@ class CheckFreq:
         return iteration
 
     def _restore_sharded(self, mode: ShardedMode) -> int:
-        store = self.store
-        if mode.world_size > 1:
-            raise RuntimeError(
-                f"CheckFreq.restore() in sharded mode with {mode.world_size} ranks: every rank must load the same "
-                "step, so the caller chooses it (rank 0: store.acquire_writer(), store.salvage(), the newest of "
-                "store.list(), either placement; "
-                "it hands the step and its writer generation to the others, which call "
-                "store.adopt_generation(g)) and every rank calls cf.load_sharded(step)")
-        store.acquire_writer()
-        store.salvage()
+        store, agreement = self.store, self._agreement(mode)
+
+        def choose() -> list[int]:  # rank 0: the generation, then every committed step
+            generation = store.acquire_writer()
+            store.salvage()
+            return [generation, *sorted({ref.step for ref in exact_checkpoints(store)})]  # a replicated one loads too
+
+        chosen = agreement.from_rank0(choose, where=f"choosing the step to restore from {store.uri}")
+        if mode.rank != 0:
+            store.adopt_generation(chosen[0])
         self.load_cached_profile()
-        refs = exact_checkpoints(store)  # a replicated one loads too
-        if not refs:
+        steps = chosen[1:]
+        if not steps:
             self._begin(0)
             return 0
+        return self._load_newest_readable(steps, agreement)
+
+    def _load_newest_readable(self, steps: list[int], agreement: RankAgreement) -> int:
+        """The newest of ``steps`` (the same list on every rank) that every rank reads:
+        a damaged part raises CorruptCheckpointError on every rank at once (agreement.py),
+        so every rank moves to the same older step; never silently to 0."""
         failure: Exception | None = None
-        for ref in reversed(refs):  # falls back past a damaged checkpoint, never silently to 0
+        for step in reversed(steps):
             try:
-                return self.load_sharded(ref.step)
+                return self._load_sharded_step(step, agreement)
             except CorruptCheckpointError as err:
-                logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
+                logger.warning("rank %d: sharded step %d does not load on every rank, trying an older one: %s",
+                               agreement.rank, step, err)
                 failure = err
         assert failure is not None
         raise failure
 
-    def load_sharded(self, step: int) -> int:
+    def load_sharded(self, step: int, *, fall_back: bool = False) -> int:
         """Sharded mode: load committed ``step`` (either placement, any saved world size)
         into this rank's shards of model and optimizer, its extra state, data and RNG states, and
         resume counting from it; returns its iteration. Every rank calls it with the same
-        step: it is a collective."""
-        if self._sharded is None:
+        step: it is a collective. Every rank checks its own part before any loads: when
+        some rank's part is damaged, every rank raises CorruptCheckpointError (nothing is
+        loaded); ``fall_back=True`` then loads the newest older committed step (rank 0's
+        listing) that every rank reads instead. ``restore()`` chooses the step itself."""
+        mode = self._sharded
+        if mode is None:
             raise RuntimeError("load_sharded() is for a sharded model (DTensor parameters); use restore()")
-        iteration = self._executor.load_sharded(self.store, step)
+        agreement = self._agreement(mode)
+        if not fall_back:
+            return self._load_sharded_step(step, agreement)
+
+        def listed() -> list[int]:
+            return sorted({ref.step for ref in exact_checkpoints(self.store) if ref.step <= step})
+
+        steps = agreement.from_rank0(listed, where=f"listing the steps up to {step} in {self.store.uri}")
+        if not steps:
+            raise CheckpointNotFoundError(f"no complete checkpoint of step {step} or older in {self.store.uri}")
+        return self._load_newest_readable(steps, agreement)
+
+    def _load_sharded_step(self, step: int, agreement: RankAgreement) -> int:
+        assert self._sharded is not None
+        iteration = self._executor.load_sharded(self.store, step, agreement)
         self._begin(iteration)
         logger.info("rank %d restored iteration %d (step %d) from %s", self._sharded.rank, iteration, step,
                     self.store.uri)
         return iteration
+
+    def _agreement(self, mode: ShardedMode) -> RankAgreement:
+        """The ranks' agreement for a restore; its gloo group made at the first restore when
+        the seams gave none (every rank restores at once, so every rank makes it then)."""
+        if mode.world_size == 1:
+            return RankAgreement(mode.rank, 1)
+        if self._restore_group is None:
+            import torch.distributed as dist
+
+            self._restore_group = self._seams.restore_group or dist.new_group(backend="gloo")
+        return RankAgreement(mode.rank, mode.world_size, self._restore_group)
 
     def rank_snapshot_mismatch(self, state: Mapping[str, Any]) -> str | None:
         """Sharded mode: why ``state``, this rank's own snapshot as a RAM copy of it holds it

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ray_checkfreq.engine.agreement import RankAgreement
 from ray_checkfreq.engine.persist import NullPersister, PersistResult, PersistWorker
 from ray_checkfreq.engine.restore import (
     check_model_state,
@@ -34,9 +35,10 @@ from ray_checkfreq.engine.sharded_persist import ShardedPersistWorker
 from ray_checkfreq.engine.sharded_restore import (
     SHARDING_KEY,
     PhaseClock,
+    PreparedRankState,
     find_ref,
     load_rank_snapshot,
-    load_rank_state,
+    prepare_rank_state,
     snapshot_mismatch,
 )
 from ray_checkfreq.engine.snapshot import CopyHandle, Snapshot, Snapshotter
@@ -177,18 +179,26 @@ class Executor:
         live.optimizer.load_state_dict(optimizer_state)
         return self._load_rest(state, state["rng"])
 
-    def load_sharded(self, store: CheckpointStore, step: int) -> int:
+    def load_sharded(self, store: CheckpointStore, step: int, agreement: RankAgreement) -> int:
         """Sharded mode, on every rank (a collective): fill model and optimizer with this
         rank's boxes of ``step`` (any saved world size), then extra state, data and this
-        rank's RNG states; returns the step's iteration."""
+        rank's RNG states; returns the step's iteration. Every rank reads and checks its
+        part first; only when every rank's is good does any load it, else every rank
+        raises (a CorruptCheckpointError on every rank when some rank's part is damaged)."""
         mode = self._require_sharded()
         clock = PhaseClock()
-        ref = find_ref(store, step)
-        clock.lap("find")
+        optimizer_class = type(self.state.optimizer).__qualname__
+
+        def prepare() -> PreparedRankState:
+            ref = find_ref(store, step)
+            clock.lap("find")
+            return prepare_rank_state(store, ref, mode.adapter, rank=mode.rank, optimizer_class=optimizer_class,
+                                      clock=clock)
+
         self.loading = True
         try:
-            loaded = load_rank_state(store, ref, mode.adapter, rank=mode.rank,
-                                     optimizer_class=type(self.state.optimizer).__qualname__, clock=clock)
+            prepared = agreement.run(prepare, where=f"step {step} in {store.uri}")
+            loaded = prepared.load(mode.adapter, clock)
         finally:
             self.loading = False
         iteration = self._load_rest(loaded.state, loaded.rng)

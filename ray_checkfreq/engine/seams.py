@@ -139,6 +139,10 @@ class EngineSeams:
     seal_snapshot: Callable[[Any], None] | None = None
     # The engine's clock for iteration times and stalls (a simulated one in tests).
     clock: Callable[[], float] = time.perf_counter
+    # Sharded mode on several ranks: a gloo group of every rank, in which a restore agrees
+    # on its step and on whether every rank read its part (engine/agreement.py). None: the
+    # engine makes one when a restore first needs it (every rank restores at once).
+    restore_group: Any = None
 
     def __post_init__(self) -> None:
         lookahead = self.decisions.lookahead

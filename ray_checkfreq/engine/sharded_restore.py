@@ -1,13 +1,16 @@
 """Loading one rank's share of a sharded checkpoint, at any world size.
 
-Every rank calls ``load_rank_state`` (a collective: the adapter's ``apply`` is). It reads
+Every rank calls ``load_rank_state`` (a collective: the adapter's load is). It reads
 the skeleton of its own rank in the saved world (rank 0's when the saved world was
 smaller: the per-rank leaves of a rank that did not exist are rank 0's), then fetches in
 ONE ranged-read pass (``CheckpointStore.reader``) the box of every model and optimizer
 tensor this rank holds now, plus its per-rank leaves (RNG, extra and data state), fills
-model and optimizer in place, and returns the rest of the state. A replicated checkpoint
-(one part of whole tensors, numbered optimizer state) loads the same way: each rank reads
-its boxes of the whole tensors, the optimizer's numbers taken as the live groups' names.
+model and optimizer in place, and returns the rest of the state. All of that but the final
+load is ``prepare_rank_state``, on the rank alone, so that the ranks can agree that every
+one of them read its part before any enters the load (engine/agreement.py). A replicated
+checkpoint (one part of whole tensors, numbered optimizer state) loads the same way: each
+rank reads its boxes of the whole tensors, the optimizer's numbers taken as the live
+groups' names.
 
 A rank's own snapshot (its RAM copy, at the same world size and sharding) loads without
 storage: ``snapshot_mismatch`` says whether it fits, ``load_rank_snapshot`` fills it in.
@@ -65,16 +68,47 @@ def find_ref(store: CheckpointStore, step: int) -> CheckpointRef:
     return matches[-1]
 
 
+@dataclass(frozen=True)
+class PreparedRankState:
+    """A rank's share of a checkpoint, read, checked and in its targets (``prepare_rank_state``),
+    not yet loaded into model and optimizer: ``load`` does that (a collective)."""
+
+    filled: dict[str, Any]  # the adapter's filled targets (``StateAdapter.fill_targets``)
+    state: dict[str, Any]
+    rng: Any
+
+    def load(self, adapter: StateAdapter, clock: PhaseClock | None = None) -> RankState:
+        """Model and optimizer loaded (every rank calls it, or none: the DTensor load is a
+        collective); the rest of the saved state returned."""
+        adapter.load_filled(self.filled)
+        if clock is not None:
+            clock.lap("fill")
+        return RankState(state=self.state, rng=self.rng)
+
+
 def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAdapter, *, rank: int,
                     optimizer_class: str, clock: PhaseClock | None = None) -> RankState:
     """Fill model and optimizer from ``ref`` in place (every rank calls it) and return the
-    rest of this rank's saved state; RestoreMismatchError names the first key that does
-    not fit, CorruptCheckpointError a damaged skeleton. ``clock`` times the phases:
-    manifest, skeleton, plan, read, fill."""
+    rest of this rank's saved state: ``prepare_rank_state``, then its ``load``. Where one
+    rank's part may be damaged and another's not, a caller agrees between the two
+    (``agreement.RankAgreement``), so that no rank enters the load alone."""
+    clock = clock or PhaseClock()
+    return prepare_rank_state(store, ref, adapter, rank=rank, optimizer_class=optimizer_class,
+                              clock=clock).load(adapter, clock)
+
+
+def prepare_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAdapter, *, rank: int,
+                       optimizer_class: str, clock: PhaseClock | None = None) -> PreparedRankState:
+    """This rank's boxes of ``ref`` read (every CRC block checked) into its targets, on this
+    rank alone (no collective); RestoreMismatchError names the first key that does not fit,
+    CorruptCheckpointError a damaged skeleton or block. The targets are the live tensors
+    where a read can write straight into them: a failed read may leave them half written,
+    which a later successful load of any step overwrites whole. ``clock`` times the phases:
+    manifest, skeleton, plan, read (and fill, in ``load``)."""
     clock = clock or PhaseClock()
     reader = store.reader(ref)
     if ref.placement == "replicated":
-        return _load_replicated(reader, ref.uri, adapter, optimizer_class)
+        return _prepare_replicated(reader, ref.uri, adapter, optimizer_class)
     manifest = reader.manifest
     clock.lap("manifest")
     source = rank if rank < manifest.world_size else 0
@@ -94,11 +128,10 @@ def load_rank_state(store: CheckpointStore, ref: CheckpointRef, adapter: StateAd
     clock.lap("read")
     state = unflatten_state(tree, [loaded[key][0] if key in per_rank else None for key in keys])
     _check_optimizer_class(state, optimizer_class)
-    adapter.apply(_filler(loaded, boxes, {name: name for name in boxes}),
-                  {"model": state["model"], "optimizer": state["optimizer"]})
-    clock.lap("fill")
+    filled = adapter.fill_targets(_filler(loaded, boxes, {name: name for name in boxes}),
+                                  {"model": state["model"], "optimizer": state["optimizer"]})
     own = {rank: state["rng"]} if rank < manifest.world_size else {}
-    return RankState(state=state, rng={"world_size": manifest.world_size, "ranks": own})
+    return PreparedRankState(filled=filled, state=state, rng={"world_size": manifest.world_size, "ranks": own})
 
 
 class _LeafIndex(int):
@@ -109,8 +142,9 @@ class _LeafIndex(int):
         return self
 
 
-def _load_replicated(reader: BoxReader, where: str, adapter: StateAdapter, optimizer_class: str) -> RankState:
-    """A replicated checkpoint into this rank's shards: its boxes of each whole tensor, the
+def _prepare_replicated(reader: BoxReader, where: str, adapter: StateAdapter,
+                        optimizer_class: str) -> PreparedRankState:
+    """A replicated checkpoint for this rank's shards: its boxes of each whole tensor, the
     numbered optimizer state named after the live groups by place, the rest read whole."""
     skeleton, keys, _ = reader.whole_state()
     indexed = _unflatten(skeleton, [_LeafIndex(i) for i in range(len(keys))], where)
@@ -125,9 +159,9 @@ def _load_replicated(reader: BoxReader, where: str, adapter: StateAdapter, optim
     wanted = {source[chunk.name]: [Box(chunk.box.offsets, chunk.box.sizes)] for chunk in targets}
     wanted.update({key: [whole(reader.manifest.tensor(key).global_shape)] for key in rest})  # type: ignore[union-attr]
     loaded = reader.load_boxes(wanted)
-    adapter.apply(_filler(loaded, {chunk.name: chunk.box for chunk in targets}, source), saved)
+    filled = adapter.fill_targets(_filler(loaded, {chunk.name: chunk.box for chunk in targets}, source), saved)
     state = _unflatten(skeleton, [loaded[key][0] if key in rest else None for key in keys], where)
-    return RankState(state=state, rng=state["rng"])
+    return PreparedRankState(filled=filled, state=state, rng=state["rng"])
 
 
 def saved_optimizer_leaves(optimizer: Any, keys: list[str],

@@ -194,10 +194,19 @@ class StateAdapter(ABC):
         Raises RestoreMismatchError naming the first key that the checkpoint and the live
         state do not share. Every rank must call it: the DTensor path loads collectively.
         """
+        self.load_filled(self.fill_targets(fill, saved))
+
+    def fill_targets(self, fill: Fill, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """``apply``'s first half, on this rank alone (no collective): every check, and
+        every target filled; what ``load_filled`` then loads."""
         _initialize_optimizer_state(self.optimizer)
         target = self.live_state()
         _check_same_structure(target, saved)
-        filled = walk_state(target, _RestoreBuilder(fill, saved, self.plain_owner()))
+        return walk_state(target, _RestoreBuilder(fill, saved, self.plain_owner()))
+
+    def load_filled(self, filled: dict[str, Any]) -> None:
+        """``apply``'s second half: the filled targets into model and optimizer (the DTensor
+        path loads collectively: every rank calls it, or none)."""
         with torch.no_grad():
             self._load(filled)
 

@@ -192,7 +192,8 @@ class RestartProtocol:
 
     def _load_shards(self, choice: RestoreChoice, engine: Any) -> tuple[int, str]:
         """Every rank's pieces of the chosen step: from the RAM copies when every rank's is
-        readable and fits, else every rank from storage; (iteration, what this rank read)."""
+        readable and fits, else every rank from storage, falling back together past a step
+        some rank's part of is damaged; (iteration, what this rank read)."""
         if choice.kind == "slot" and choice.sources is not None:
             source = RankSource(**choice.sources[self.rank])
             state: Any = None
@@ -213,8 +214,9 @@ class RestartProtocol:
             del state
             if choice.committed_step is None:
                 return 0, "none"
-            return engine.load_sharded(choice.committed_step), "storage"
-        return engine.load_sharded(choice.step), "storage"
+            return engine.load_sharded(choice.committed_step, fall_back=True), "storage"
+        # The chosen step, or (a rank's part damaged) the newest older one every rank reads.
+        return engine.load_sharded(choice.step, fall_back=True), "storage"
 
     def _load(self, choice: RestoreChoice) -> tuple[Any, bool]:
         """The chosen state on every rank, read by one rank and broadcast; True: it fell back to storage."""

@@ -219,6 +219,7 @@ class CheckFreq:
             takes_snapshots=self.sharded or (self.snapshots and (self.agent is not None or self.rank == 0)),
             observe=self._policy.observe if self._policy is not None else None,
             local_adaptive=self._policy is None,
+            restore_group=self._control_group,  # a sharded restore agrees on what every rank read
         )
 
     # ----------------------------------------------------------------- steps
