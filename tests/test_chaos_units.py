@@ -507,3 +507,28 @@ def test_a_second_loss_before_the_restart_takes_a_node_still_up():
     assert third["lost_node"] == "spare" and nodes.held == set()
     with pytest.raises(RuntimeError, match="no training node is left"):
         _node(view=view, target=0, cluster=nodes)
+
+
+def test_up_starts_a_head_that_failed_once_more_and_nothing_else(monkeypatch, tmp_path):
+    from ray_checkfreq.chaos import spot_cluster
+
+    tries: list[str] = []
+
+    def failing_once(config):
+        tries.append(config.directory)
+        if len(tries) == 1:
+            raise spot_cluster.HeadStartError("The current node timed out during startup")
+        return "cluster"
+
+    monkeypatch.setattr(spot_cluster, "_up_once", failing_once)
+    config = spot_cluster.SpotClusterConfig(directory=str(tmp_path))
+    assert spot_cluster.up(config) == "cluster" and len(tries) == 2
+
+    def other_failure(config):
+        tries.append(config.directory)
+        raise FileExistsError("a cluster was started here")
+
+    monkeypatch.setattr(spot_cluster, "_up_once", other_failure)
+    with pytest.raises(FileExistsError):
+        spot_cluster.up(config)
+    assert len(tries) == 3  # not retried

@@ -46,7 +46,7 @@ def read_events(work_dir: str) -> list[dict]:
     return sorted(found, key=lambda e: e["t"])
 
 
-def committed_shares(events: list[dict], end_step: int) -> dict[int, list[dict]]:
+def committed_shares(events: list[dict], end_step: int, first: int = 0) -> dict[int, list[dict]]:
     """Step -> the shares its commit averaged: the last share each process fetched of that
     step in the quorum size the step committed with (a replica killed after its backward
     pass still gave its gradient to the commit it did not live to see)."""
@@ -55,7 +55,7 @@ def committed_shares(events: list[dict], end_step: int) -> dict[int, list[dict]]
         if event["event"] == "commit":
             commits[event["step"]].add(event["size"])
     shares = {}
-    for step in range(end_step):
+    for step in range(first, end_step):
         sizes = commits.get(step)
         assert sizes is not None and len(sizes) == 1, f"step {step} committed at quorum sizes {sizes}"
         (size,) = sizes
@@ -123,7 +123,7 @@ def test_survivors_train_on_while_the_lost_replica_is_replaced(killed_run):
     assert max(pauses) < SURVIVOR_PAUSE_LIMIT_S
     # They trained on without it (a smaller quorum), and did not restart: same processes to the end.
     smaller = [e for e in commits if e["t"] > kill["t"] and e["size"] == REPLICAS - 1]
-    assert {e["pid"] for e in smaller} == survivors and len(smaller) >= 2 * 5
+    assert survivors <= {e["pid"] for e in smaller} and len(smaller) >= 2 * 5
     ends = [e for e in events if e["event"] == "end"]
     assert len(ends) == REPLICAS and len({e["step"] for e in ends}) == 1
     assert survivors < {e["pid"] for e in ends}
@@ -143,9 +143,7 @@ def assert_every_step_whole(events: list[dict], first: int, last: int) -> list[i
     its whole global batch; returns the samples taken, in step order."""
     steps = inplace_jobs.quorum_steps(CONFIG)
     taken_all = []
-    for step, shares in committed_shares(events, last).items():
-        if step < first:
-            continue
+    for step, shares in committed_shares(events, last, first).items():
         size = shares[0]["size"]
         assert sorted(s["quorum_rank"] for s in shares) == list(range(size)), f"step {step}: {shares}"
         taken = [i for s in shares for i in s["indices"]]
@@ -189,8 +187,11 @@ def test_one_writer_at_a_time_and_every_checkpoint_exact(runs):
     writers = collections.Counter(e["step"] for e in events if e["event"] == "commit" and e["writer"])
     committed = {e["step"] for e in events if e["event"] == "commit"}
     assert max(writers.values()) == 1, "two replicas wrote for one step"
-    # Only the step whose writer died between its backward pass and the commit has none.
-    assert committed - set(writers) <= {CONFIG["kill_step"]}
+    # A step has no writer only where its quorum's rank 0 did not commit it: it died between
+    # its backward pass and the commit, or its commit failed while the others' went through
+    # (a loaded replica timed out; it heals from them at the next quorum).
+    rolled_back = {e["step"] for e in events if e["event"] == "rollback"}
+    assert committed - set(writers) <= {CONFIG["kill_step"]} | rolled_back
     # The survivors' new rank 0 took over with a newer writer generation (fencing the dead one);
     # retention kept the newest few, all of the run's last writers.
     assert checkpoints and all(ref.writer_generation >= 2 for ref, _ in checkpoints)

@@ -30,6 +30,7 @@ its working directory or a file (its logs) in the node's temp directory, so that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -41,6 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("ray_checkfreq.chaos")
 
 MARKER = "RCF_SPOT_CLUSTER"
 BUCKET = "rcf-spot"
@@ -117,8 +120,21 @@ class SpotCluster:
             raise FileNotFoundError(f"{path}: no local spot cluster was started with this directory") from None
 
 
+class HeadStartError(RuntimeError):
+    """``ray start --head`` failed (on a loaded machine Ray's own 30 s wait for its raylet can end it)."""
+
+
 def up(config: SpotClusterConfig) -> SpotCluster:
-    """Start the cluster of the module docstring; ``down`` stops it (also when ``up`` fails)."""
+    """Start the cluster of the module docstring; ``down`` stops it (also when ``up`` fails).
+    A head that fails to start is started once more, on new ports, after ``down``."""
+    try:
+        return _up_once(config)
+    except HeadStartError as err:
+        logger.warning("the head did not start (%s); once more", err)
+        return _up_once(config)
+
+
+def _up_once(config: SpotClusterConfig) -> SpotCluster:
     directory = Path(config.directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / STATE_FILE).exists():
@@ -143,13 +159,16 @@ def up(config: SpotClusterConfig) -> SpotCluster:
         _start_services(cluster, env, s3_port=s3_port, imds_port=imds_port, timeout_s=config.start_timeout_s)
         autoscaling = directory / "autoscaling.json"
         autoscaling.write_text(json.dumps(autoscaling_config(cluster, config), indent=1) + "\n")
-        _run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={gcs_port}",
-              "--node-ip-address=127.0.0.1", "--num-cpus=0", "--num-gpus=0", "--include-dashboard=true",
-              f"--object-store-memory={OBJECT_STORE_BYTES}",
-              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-              f"--dashboard-agent-listen-port={agent_port}", f"--temp-dir={cluster.temp_dir}",
-              f"--autoscaling-config={autoscaling}", "--disable-usage-stats"],
-             env=env, log=directory / "ray-start.log", timeout_s=config.start_timeout_s)
+        try:
+            _run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={gcs_port}",
+                  "--node-ip-address=127.0.0.1", "--num-cpus=0", "--num-gpus=0", "--include-dashboard=true",
+                  f"--object-store-memory={OBJECT_STORE_BYTES}",
+                  "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+                  f"--dashboard-agent-listen-port={agent_port}", f"--temp-dir={cluster.temp_dir}",
+                  f"--autoscaling-config={autoscaling}", "--disable-usage-stats"],
+                 env=env, log=directory / "ray-start.log", timeout_s=config.start_timeout_s)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            raise HeadStartError(str(err)) from err
     except BaseException:
         down(str(directory))
         raise

@@ -202,6 +202,11 @@ class InPlaceReplica:
         """One writer at a time: the step's quorum rank 0. A new writer's first save takes a
         newer writer generation, which fences an old writer still persisting (``FencedWriterError``:
         its checkpoint is withdrawn and never the latest)."""
+        if self._writer is not None and self._writer.iteration != self.steps.step - 1:
+            # This replica rolled a step back that the others committed, and healed from them:
+            # the engine did not count it. A new one counts from the data's step.
+            self._writer.close(wait=False)
+            self._writer = None
         if writer and self._writer is None:
             self._writer = self._engine()
             self._writer.begin_at(self.steps.step - 1)
