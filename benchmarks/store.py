@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import store_deltas
 from benchmarks.harness import MiB, add_json_argument, median_seconds, moto_server, write_json
 from ray_checkfreq.storage import CheckpointStore
 
@@ -29,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is kept")
     parser.add_argument("--dir", default=None, help="local directory to write into (default: a temp dir)")
     parser.add_argument("--s3", action="store_true", help="also measure against a loopback moto S3 server")
+    parser.add_argument("--deltas", action="store_true",
+                        help="instead: sharded checkpoint bytes with and without XOR deltas of a model trained with "
+                             "Adam (store_deltas.py; a minute)")
+    store_deltas.add_arguments(parser)
     add_json_argument(parser)
 
 
@@ -125,6 +130,8 @@ def _print_table(size_mb: int, results: dict[str, dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.deltas:
+        return store_deltas.run(args)
     if args.size_mb < 1 or args.repeat < 1:
         raise ValueError("--size-mb and --repeat must be >= 1")
     state = make_state(args.size_mb)

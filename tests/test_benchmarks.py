@@ -21,6 +21,16 @@ def test_bench_store(tmp_path, capsys):
     assert "ours raw" in capsys.readouterr().out
 
 
+def test_bench_store_deltas_writes_every_checkpoint_both_ways(tmp_path, capsys):
+    out = tmp_path / "deltas.json"
+    assert main(["bench", "store", "--deltas", "--train-steps", "1", "--checkpoints", "3", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    plain, deltas = figures["without_deltas"]["rows"], figures["with_deltas"]["rows"]
+    assert [r["step"] for r in plain] == [r["step"] for r in deltas] == [1, 11, 21]
+    assert not any(r["delta_ranks"] for r in plain) and deltas[1]["delta_ranks"] == [0, 1]
+    assert "delta parts (ranks)" in capsys.readouterr().out
+
+
 def test_bench_persist_measures_the_four_ways_and_leaves_the_given_dir(tmp_path, capsys):
     out = tmp_path / "persist.json"
     keep = tmp_path / "mine.txt"

@@ -24,11 +24,16 @@ B = 2 ** 10
 
 
 def state_of(step: int) -> dict:
-    g = np.random.default_rng(step)
+    """Weights that drift a little from step to step: a chunk is stored as a delta only
+    where that is smaller, and deltas of unrelated values are not."""
+    start, g = np.random.default_rng(0), np.random.default_rng(step)
+
+    def drifted(values: np.ndarray) -> np.ndarray:
+        return values + g.normal(0, 1e-5, values.shape)
     return {
-        "model": {"w": torch.from_numpy(g.uniform(-0.5, 0.5, 3000).astype(np.float32)),
-                  "wide": torch.from_numpy(g.normal(0, 5, 500).astype(np.float32)),  # outside [-1, 1]
-                  "half": torch.from_numpy(g.uniform(-1, 1, 800)).to(torch.bfloat16)},
+        "model": {"w": torch.from_numpy(drifted(start.uniform(-0.5, 0.5, 3000)).astype(np.float32)),
+                  "wide": torch.from_numpy(drifted(start.normal(0, 5, 500)).astype(np.float32)),  # outside [-1, 1]
+                  "half": torch.from_numpy(drifted(start.uniform(-1, 1, 800))).to(torch.bfloat16)},
         "optimizer": {"step": torch.tensor(step), "counts": np.arange(step, step + 10)},
         "iterator": {"epoch": step // 2, "lr": 0.1 / step},
     }

@@ -9,12 +9,16 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from store_helpers import part_store
 
+from ray_checkfreq import codec
 from ray_checkfreq.errors import CorruptCheckpointError, StorageError
 from ray_checkfreq.storage import commit
-from ray_checkfreq.storage.arrays import leaf_bytes
+from ray_checkfreq.storage.arrays import leaf_bytes, leaf_spec
 from ray_checkfreq.storage.chunks import Box
+from ray_checkfreq.storage.encoding import EncodeOptions, decode_leaf, encode_leaf
 from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.manifest import MANIFEST_NAME, ManifestError, body_checksum, decode_global, decode_part
 from ray_checkfreq.storage.store import CheckpointStore
@@ -231,3 +235,79 @@ def test_a_sharded_epoch_boundary_is_kept_near_lossless_as_one_part_of_every_ran
             else:
                 np.testing.assert_array_equal(got, want)
     assert rounded > 0  # the copy is not the exact checkpoint
+
+
+def test_a_writer_that_never_commits_writes_deltas_of_its_committed_full_part(tmp_path):
+    """As a sharded run saves: every writer saves its part and tries the commit once; the
+    last to write (rank 0) commits, and rank 1, told nothing, learns of the commit itself."""
+    writers = stores(tmp_path, full_every=4, keep_last=8)
+    for step in range(1, 6):
+        for rank in (1, 0):
+            save(writers[rank], step, [rank], drifted(step), WORLD)
+            assert writers[rank].try_commit(step).committed == (rank == 0)
+    base = writers[0].dir_name(1)
+    for rank in (0, 1):
+        bases = [next(p.delta_base for p in global_manifest(writers[0], step).parts if p.ranks == (rank,))
+                 for step in range(1, 6)]
+        assert bases == [None, base, base, base, None], f"rank {rank}"
+    for step in range(1, 6):
+        assert_loads(writers[0], step, drifted(step), WORLD)
+
+
+def noisy(step: int) -> dict:
+    """``drifted`` plus a moment-like tensor drawn anew every step: its XOR delta is noise."""
+    state = drifted(step)
+    state["optim/m"] = torch.randn(256, 96, generator=torch.Generator().manual_seed(100 + step))
+    return state
+
+
+def test_a_chunk_whose_delta_is_larger_is_stored_full_beside_deltas_and_all_load_exactly(tmp_path):
+    writers = stores(tmp_path, full_every=8, keep_last=8)
+    for step in (1, 2):
+        for rank, writer in enumerate(writers):
+            save(writer, step, [rank], noisy(step), WORLD)
+        assert writers[1].try_commit(step).committed
+    kinds = {}
+    for tensor in global_manifest(writers[0], 2).tensors:
+        for chunk in tensor.chunks:
+            new, old = (piece(noisy(s)[tensor.key], chunk.box) for s in (2, 1))
+            full, delta = len(codec.encode(new)), len(codec.encode(new, base=old))
+            assert chunk.length == min(full, delta) and chunk.delta == (delta < full), (tensor.key, full, delta)
+            kinds.setdefault(tensor.key, set()).add(chunk.delta)
+    assert kinds["optim/m"] == {False} and kinds["model/w"] == {True}  # a mix, in every part
+    assert all(p.delta_base == writers[0].dir_name(1) for p in global_manifest(writers[0], 2).parts)
+    for world in (WORLD, 3):  # resharded reads mix the two kinds within a box too
+        assert_loads(writers[0], 2, noisy(2), world)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(0, 3000), bits=st.integers(0, 32),
+       changed=st.floats(0, 1), as_torch=st.booleans())
+@example(seed=0, size=0, bits=0, changed=0.0, as_torch=True)  # a tie (empty): full, which needs no base
+def test_each_chunk_is_the_smaller_of_its_delta_and_full_forms_and_decodes_exactly(seed, size, bits, changed,
+                                                                                    as_torch):
+    """From values that differ from the base in nothing to values that differ in every bit;
+    a tie goes full."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(size).astype(np.float32)
+    flips = (rng.integers(0, 2**bits, size, dtype=np.uint64) * (rng.random(size) < changed)).astype(np.uint32)
+    leaf = (base.view(np.uint32) ^ flips).view(np.float32)
+    if as_torch:
+        leaf, base = torch.from_numpy(leaf), torch.from_numpy(base)
+    got = encode_leaf(leaf, EncodeOptions(threads=1), base)
+    full, delta = len(codec.encode(leaf, threads=1)), len(codec.encode(leaf, base=base, threads=1))
+    assert len(got.data) == min(full, delta) and got.delta == (delta < full), (full, delta)
+    back = decode_leaf(leaf_spec(leaf), got.codec, got.data, 0, len(got.data), got.raw_crc32,
+                       base=base if got.delta else None)
+    assert leaf_bytes(back) == leaf_bytes(leaf)
+
+
+def test_a_part_whose_step_was_never_committed_is_neither_a_base_nor_counted(tmp_path):
+    writers = stores(tmp_path, full_every=3, keep_last=8)
+    for step in range(1, 6):
+        for rank in (1, 0) if step in (2, 4, 5) else (1,):  # rank 0 skips 1 and 3: never committed
+            save(writers[rank], step, [rank], drifted(step), WORLD)
+            assert writers[rank].try_commit(step).committed == (rank == 0)
+    bases = [{p.ranks: p.delta_base for p in global_manifest(writers[0], step).parts}[(1,)] for step in (2, 4, 5)]
+    assert bases == [None, writers[0].dir_name(2), writers[0].dir_name(2)]
+    assert_loads(writers[0], 5, drifted(5), WORLD)

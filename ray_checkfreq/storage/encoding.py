@@ -1,8 +1,8 @@
 """Encode one array leaf for a shard, and decode it back, with both checksums.
 
 ``raw`` stores the leaf's bytes as they are (no copy for contiguous CPU tensors);
-``rcfz`` stores a ``ray_checkfreq.codec`` blob, optionally an XOR delta against the
-same leaf of an earlier full checkpoint.
+``rcfz`` stores a ``ray_checkfreq.codec`` blob; given the same leaf of an earlier full
+checkpoint, an XOR delta against it where that is the smaller of the two.
 """
 
 from __future__ import annotations
@@ -39,20 +39,27 @@ class EncodedLeaf:
 
 
 def encode_leaf(leaf: Any, options: EncodeOptions, base: Any = None, raw_crc: int | None = None) -> EncodedLeaf:
-    """``raw_crc``: the checksum of the leaf's bytes where it is known already (kept as given)."""
+    """``leaf`` encoded; with a ``base`` (the same leaf of an earlier full checkpoint), as an
+    XOR delta of it where that is smaller than the full blob. ``raw_crc``: the checksum of
+    the leaf's bytes where it is known already (kept as given)."""
     raw = leaf_bytes(leaf)
     raw_crc = crc32(raw) if raw_crc is None else raw_crc
     if options.codec == "raw":
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
     if isinstance(leaf, np.ndarray) and not leaf.dtype.isnative:
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
-    usable_base = base if base is not None and _same_spec(leaf, base) else None
     try:
-        blob = codec.encode(leaf, base=usable_base, level=options.level, threads=options.threads)
+        blob = codec.encode(leaf, level=options.level, threads=options.threads)
+        delta = None
+        if base is not None and _same_spec(leaf, base):
+            delta = codec.encode(leaf, base=base, level=options.level, threads=options.threads)
     except codec.CodecError:  # a dtype the codec does not group: store it as it is
         return EncodedLeaf(data=raw, codec="raw", raw_crc32=raw_crc, stored_crc32=raw_crc, delta=False)
-    return EncodedLeaf(data=blob, codec="rcfz", raw_crc32=raw_crc, stored_crc32=crc32(blob),
-                       delta=usable_base is not None)
+    # A delta only where it is smaller: values that change in every bit (Adam's moments) XOR to
+    # noise, which compresses worse than the values themselves. A tie goes full (it needs no base).
+    if delta is not None and len(delta) < len(blob):
+        return EncodedLeaf(data=delta, codec="rcfz", raw_crc32=raw_crc, stored_crc32=crc32(delta), delta=True)
+    return EncodedLeaf(data=blob, codec="rcfz", raw_crc32=raw_crc, stored_crc32=crc32(blob), delta=False)
 
 
 def _same_spec(leaf: Any, base: Any) -> bool:

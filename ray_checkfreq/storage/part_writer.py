@@ -8,9 +8,12 @@ Invariants (docs/format.md, "The commit protocol"):
    counting on them, so they go under an abandon record (``commit.claim``), never out of
    a committed directory.
 3. A fenced writer withdraws every part of its own not yet committed (``withdraw``).
-4. Deltas: a part is an XOR delta of the same chunks (key, box, rank) of this writer's
-   newest *committed* full part, at most ``full_every - 1`` in a row; a base that is no
-   longer committed (another writer's housekeeping removed it) means a full part.
+4. Deltas: a part's chunks are XOR deltas of the same chunks (key, box, rank) of this
+   writer's newest *committed* full part (a part with no delta chunk), each one only where
+   it is smaller than the chunk's full form (encoding.py), at most ``full_every - 1`` parts
+   in a row; a base that is no longer committed (another writer's housekeeping removed it)
+   means a full part. Whichever writer committed a step, this writer learns of it: at the
+   commit it made or saw (``committed``), else before its next part (``learn_commit``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +147,19 @@ class PartWriter:
             self.base = new_base
         elif self.base is not None:
             self.base.saves_since += 1
+
+    def learn_commit(self, listed: Callable[[str], Collection[str]]) -> None:
+        """Before a part: whether the newest part's directory was committed since, by
+        another writer (a writer that is not the last to write its part commits nothing
+        and never polls). ``listed(name)``: the files of the committed manifest of
+        ``name``, empty when it has none; this writer's part counts only where the
+        manifest lists it and every file of it."""
+        if self._pending is None:
+            return
+        name = self._pending[0]
+        own = self._own.get(name)
+        if own is not None and {own.manifest, *own.files} <= set(listed(name)):
+            self.committed(name)
 
     def usable_base(self, options: EncodeOptions, is_committed: Callable[[str], bool]) -> ChunkBase | None:
         """The base of this save's deltas: None (a full part) unless one is due and the base

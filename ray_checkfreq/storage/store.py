@@ -56,7 +56,13 @@ from ray_checkfreq.storage.encoding import EncodeOptions
 from ray_checkfreq.storage.history import HistoryTrim
 from ray_checkfreq.storage.housekeeping import Housekeeper, Keep
 from ray_checkfreq.storage.legacy import Manifest
-from ray_checkfreq.storage.manifest import MAX_CRC_BLOCK, MIN_CRC_BLOCK, CheckpointAttributes, PartManifest
+from ray_checkfreq.storage.manifest import (
+    MAX_CRC_BLOCK,
+    MIN_CRC_BLOCK,
+    CheckpointAttributes,
+    GlobalManifest,
+    PartManifest,
+)
 from ray_checkfreq.storage.names import MAX_STEP, checkpoint_dir_name
 from ray_checkfreq.storage.part_files import ChunkSource, PartLayout
 from ray_checkfreq.storage.part_writer import PartContent, PartWriter, part_content
@@ -296,11 +302,22 @@ class CheckpointStore:
             check = lambda: fencing.check_fence(self.backend, generation)  # noqa: E731
             try:
                 check()
+                self._writer.learn_commit(self._committed_files)
                 base = self._writer.usable_base(options, self._catalog.manifest_stands)
                 return self._writer.write(self.dir_name(step), generation, content, options, base, check)
             except Exception as err:
                 _withdraw_if_fenced(self._writer, err, check, generation)
                 raise
+
+    def _committed_files(self, name: str) -> frozenset[str]:
+        """The files the committed manifest of sharded directory ``name`` lists; none when
+        it has no readable one (a hint for the delta base: a delta's commit checks its base)."""
+        try:
+            manifest = self._catalog.load_manifest(name)
+        except (CheckFreqError, OSError) as err:
+            logger.debug("%s: not known to be committed (%s)", self.backend.uri(name), err)
+            return frozenset()
+        return frozenset(manifest.expected_files()) if isinstance(manifest, GlobalManifest) else frozenset()
 
     def try_commit(self, step: int) -> CommitResult:
         """Commit sharded ``step`` if every part is there (``committer.py``); the writer

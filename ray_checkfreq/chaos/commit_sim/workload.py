@@ -54,8 +54,15 @@ class Workload:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
 
 
+PER_RANK = 16  # values of each rank's chunk: enough that a delta of an unchanged tail pays
+_TAIL = np.sqrt(np.arange(1, PER_RANK, dtype=np.float32))  # every mantissa bit in use: compresses badly
+
+
 def expected_values(generation: int, step: int, world: int) -> np.ndarray:
-    return np.repeat(np.arange(world, dtype=np.float32) + generation * 1000 + step * 10, 2)
+    """Each rank's chunk: its own (generation, step) first, then a tail that never changes
+    (so that an XOR delta is smaller than the chunk, and the store keeps deltas)."""
+    return np.concatenate([np.concatenate([[generation * 1000 + step * 10 + rank], _TAIL + rank]).astype(np.float32)
+                           for rank in range(world)])
 
 
 @dataclass
@@ -145,8 +152,9 @@ def start_generation(ctx: Context, *, clean: bool = False) -> None:
 def _sharded_writer(ctx: Context, generation: int, rank: int, world: int, steps: list[int]) -> None:
     store = ctx.store(generation)
     for step in steps:
-        values = expected_values(generation, step, world)[2 * rank:2 * rank + 2].copy()
-        chunk = ChunkSource(key="w", data=values, global_shape=(2 * world,), offsets=(2 * rank,), rank=rank)
+        values = expected_values(generation, step, world)[PER_RANK * rank:PER_RANK * (rank + 1)].copy()
+        chunk = ChunkSource(key="w", data=values, global_shape=(PER_RANK * world,), offsets=(PER_RANK * rank,),
+                            rank=rank)
         store.save_part(step, world_size=world, skeletons={rank: {"generation": generation, "step": step}},
                         chunks=[chunk])
         result = store.try_commit(step)
@@ -250,7 +258,7 @@ def load_values(store: Any, ref: Any) -> tuple[np.ndarray, int]:
     """The checkpoint's values and the generation its contents name."""
     if ref.placement == "sharded":
         reader = store.reader(ref)
-        loaded = reader.load_boxes({"w": [Box((0,), (2 * ref.world_size,))]})["w"][0]
+        loaded = reader.load_boxes({"w": [Box((0,), (PER_RANK * ref.world_size,))]})["w"][0]
         skeletons = reader.skeletons()
         generations = {skeleton["generation"] for skeleton in skeletons.values()}
         steps = {skeleton["step"] for skeleton in skeletons.values()}
