@@ -182,6 +182,7 @@ TIERS = {
         "test_cli.py", "test_nearlossless_export.py", "test_data_ray.py", "test_data_resume.py",
         "test_store_s3.py", "test_sharded_store.py", "test_sharded_export.py", "test_store_fencing.py",
         "test_hostile_store.py", "test_engine_sharded.py", "test_engine_sharded_policy.py",
+        "test_sharded_restore_agreement.py",
         "test_shared_policy.py",
         "test_ray_registration.py",
         "test_backend_contract.py",
