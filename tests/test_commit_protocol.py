@@ -179,13 +179,14 @@ def test_a_replicated_store_keeps_its_commit_final_and_removes_leftovers_under_a
 
 
 def test_a_writer_remembers_only_its_newest_parts(tmp_path):
-    """A rank that is never the committer never learns its steps committed: what it keeps to
-    withdraw stays bounded however long the run."""
+    """A rank that is never the committer learns before each part that its earlier steps
+    committed (``learn_commit``): what it keeps to withdraw is its newest part alone, however
+    long the run."""
     stores = writers(tmp_path, world=2)
     for step in range(1, 21):
         part(stores[0], step, 0, world=2)
         assert stores[0].try_commit(step).missing_ranks == (1,)  # rank 1 commits each step
         part(stores[1], step, 1, world=2)
         assert stores[1].try_commit(step).by_me
-    assert sorted(own.step for own in stores[0]._writer._own.values()) == list(range(13, 21))
+    assert sorted(own.step for own in stores[0]._writer._own.values()) == [20]
     assert stores[1]._writer._own == {}
