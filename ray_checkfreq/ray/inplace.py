@@ -131,7 +131,7 @@ class InPlaceReplica:
         self.manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
         self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict, optimizer.state_dict)
         self.manager.register_state_dict_fn("data", steps.load_state_dict, steps.state_dict)
-        for name, holder in (extra_state or {}).items():
+        for name, holder in self._extra_state.items():
             self.manager.register_state_dict_fn(f"extra/{name}", holder.load_state_dict, holder.state_dict)
         self.model = DistributedDataParallel(self.manager, model)
         self.start_step = self._restore()
@@ -202,17 +202,15 @@ class InPlaceReplica:
         """One writer at a time: the step's quorum rank 0. A new writer's first save takes a
         newer writer generation, which fences an old writer still persisting (``FencedWriterError``:
         its checkpoint is withdrawn and never the latest)."""
-        if self._writer is not None and self._writer.iteration != self.steps.step - 1:
-            # This replica rolled a step back that the others committed, and healed from them:
-            # the engine did not count it. A new one counts from the data's step.
+        # A writer retires when another replica is rank 0 now, or when it rolled a step back
+        # that the others committed and healed from them (its engine did not count that step).
+        # Its in-flight persist finishes (or is fenced) without stalling the steps.
+        if self._writer is not None and (not writer or self._writer.iteration != self.steps.step - 1):
             self._writer.close(wait=False)
             self._writer = None
         if writer and self._writer is None:
             self._writer = self._engine()
             self._writer.begin_at(self.steps.step - 1)
-        elif not writer and self._writer is not None:
-            retired, self._writer = self._writer, None
-            retired.close(wait=False)  # its in-flight persist finishes (or is fenced) without stalling the steps
         if self._writer is not None:
             self._writer.step()
 
