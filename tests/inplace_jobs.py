@@ -52,6 +52,7 @@ def share_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, share: 
 
 
 def train(config: dict) -> None:
+    import ray
     import ray.train
 
     from ray_checkfreq import CheckFreqConfig
@@ -66,9 +67,11 @@ def train(config: dict) -> None:
     steps = quorum_steps(config)
     replacement = os.path.exists(os.path.join(work_dir, "fault-kill"))
     replica = InPlaceReplica(model=model, optimizer=optimizer, steps=steps,
-                             config=InPlaceConfig(timeout_s=config.get("timeout_s", 30.0)),
+                             config=InPlaceConfig(timeout_s=config.get("timeout_s", 30.0),
+                                                  replacement_wait_s=config.get("replacement_wait_s", 30.0)),
                              storage=config.get("storage"), checkpoint=CheckFreqConfig(every=config.get("every", 10)))
-    log(work_dir, world_rank, event="start", step=replica.start_step, pid=os.getpid())
+    log(work_dir, world_rank, event="start", step=replica.start_step, pid=os.getpid(),
+        node=ray.get_runtime_context().get_node_id())
     saw_loss, full_since = replacement, None
     max_steps = config["max_epochs"] * steps.steps_per_epoch
     while steps.step < max_steps:

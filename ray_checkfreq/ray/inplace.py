@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig
 from ray_checkfreq.engine.restore import newest_state
+from ray_checkfreq.ray.unplaced import end_unplaced_replacements
 from ray_checkfreq.storage import CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.ray")
@@ -44,14 +45,20 @@ class InPlaceConfig:
     quorum_tick_ms: int = 100
     timeout_s: float = 30.0
     """Collectives, commits and the healing transfer: a loaded node re-forms its gloo group in seconds."""
+    replacement_wait_s: float = 30.0
+    """How long a replica whose work has ended waits for a lost replica's replacement that
+    Ray cannot place (no node); then it ends it, so that ``fit()`` returns (it raises
+    ``ControllerError``) instead of waiting for ever (``ray_checkfreq.ray.unplaced``)."""
 
     def __post_init__(self) -> None:
         for name in ("min_replicas", "heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"InPlaceConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"InPlaceConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("timeout_s", "replacement_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"InPlaceConfig.{name} must be > 0 seconds, got {value!r}")
 
     def lighthouse_kwargs(self) -> dict[str, Any]:
         return {"min_replicas": self.min_replicas, "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
@@ -119,6 +126,7 @@ class InPlaceReplica:
         self._extra_state = dict(extra_state or {})
         self.storage, self.checkpoint = storage, checkpoint or CheckFreqConfig()
         self._writer: CheckFreq | None = None
+        self._led_last_step = False  # rank 0 of the last committed step's quorum
         timeout = timedelta(seconds=self.config.timeout_s)
         group = ProcessGroupGloo(timeout=timeout)
         self.replica_rank = ray.train.get_context().get_world_rank()
@@ -158,6 +166,7 @@ class InPlaceReplica:
             return False
         self.optimizer.step()
         self.steps.commit(share.step)
+        self._led_last_step = share.rank == 0
         if self.storage is not None:
             self._count_for_checkpoints(writer=share.rank == 0)
         return True
@@ -169,12 +178,15 @@ class InPlaceReplica:
 
     def shutdown(self) -> None:
         """Make the writer's last checkpoint durable, then end the manager (a replica that
-        returns while another is healing must not leave it waiting)."""
+        returns while another is healing must not leave it waiting). The last step's rank 0
+        then ends a replacement that Ray could not place within ``replacement_wait_s``."""
         try:
             if self._writer is not None:
                 self._writer.close()
         finally:
             self.manager.shutdown(wait=False)
+        if self._led_last_step:  # one replica, once its checkpoint is durable
+            end_unplaced_replacements(self.config.replacement_wait_s)
 
     # ------------------------------------------------------------ checkpoints
     def _engine(self) -> CheckFreq:
