@@ -63,6 +63,26 @@ def test_verify_exit_codes_and_the_faulty_file_is_named(store_with_two, capsys):
     assert main(["verify", store_with_two.uri, "--step", "99"]) == 1
 
 
+def test_verify_checks_the_alignment_padding_that_loading_never_reads(store_with_two, capsys):
+    """Bytes no chunk covers: ``load`` never reads them, ``verify`` does (it says it reads every byte)."""
+    from ray_checkfreq.storage.part_files import ALIGN_BYTES
+
+    ref = store_with_two.list()[-1]
+    manifest = store_with_two.reader(ref).manifest
+    chunks = sorted((c for t in manifest.tensors for c in t.chunks), key=lambda c: c.offset)
+    shard = os.path.join(ref.uri, chunks[0].file)
+    first_end = chunks[0].offset + chunks[0].length
+    assert first_end % ALIGN_BYTES, "the fixture's first chunk ends on the alignment: no padding to damage"
+    with open(shard, "r+b") as f:
+        f.seek(first_end)
+        f.write(b"\x01")
+    assert torch.equal(store_with_two.load(ref.step)["model"]["w"], torch.zeros(2, 3))  # what load reads is intact
+    capsys.readouterr()
+    assert main(["verify", store_with_two.uri, "--step", str(ref.step)]) == 1
+    out = capsys.readouterr().out
+    assert shard in out and f"bytes {first_end}-" in out and "not zeros" in out
+
+
 def test_export_safetensors_with_flattened_keys(store_with_two, tmp_path):
     from safetensors.torch import load_file
 

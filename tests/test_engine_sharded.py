@@ -435,7 +435,11 @@ def test_a_sharded_step_loads_whole_in_one_process_and_into_a_plain_model(runs: 
     plain = jobs.Net().double()  # the same module, not sharded
     plain.load_state_dict(state["model"])
     assert all(torch.equal(plain.state_dict()[name], state["model"][name]) for name in state["model"])
-    assert store.latest() is None  # latest() and load() with no step: what a replica restores, never a sharded step
+    # latest() and load() with no step: the newest exact checkpoint of either placement, gathered.
+    newest = store.latest()
+    assert newest is not None and newest.step == max(steps) and newest.placement == "sharded"
+    by_step, newest_state = store.load(max(steps)), store.load()
+    assert all(torch.equal(newest_state["model"][name], by_step["model"][name]) for name in by_step["model"])
 
 
 def test_each_rank_gets_its_own_rng_and_a_new_rank_is_seeded(runs: Path) -> None:

@@ -78,6 +78,18 @@ def test_format_3_sharded_checkpoints_load_and_reshard(tmp_path):
     assert store.reader(ref).skeletons() == {0: {"rank": 0, "step": 7}, 1: {"rank": 1, "step": 7}}
 
 
+def test_a_sharded_checkpoint_with_foreign_skeletons_loads_as_saved(tmp_path):
+    """``save_part`` with skeletons of the caller's own (not the engine's): ``load`` by step,
+    and with no step (the store's newest), gives every tensor whole and each rank's skeleton."""
+    store = part_store(copy_of(tmp_path, "format3"))
+    w = torch.arange(48, dtype=torch.float32).reshape(12, 4)
+    for state in (store.load(7), store.load()):
+        assert sorted(state) == ["skeletons", "tensors"] and sorted(state["tensors"]) == ["model/w"]
+        assert torch.equal(torch.as_tensor(state["tensors"]["model/w"]), w)
+        assert state["skeletons"] == {0: {"rank": 0, "step": 7}, 1: {"rank": 1, "step": 7}}
+    assert store.latest().step == 7
+
+
 @pytest.mark.parametrize("name", ["format1", "format2", "format3"])
 def test_the_fixtures_are_not_changed_by_reading(tmp_path, name):
     before = {p.relative_to(FIXTURES): p.read_bytes() for p in (FIXTURES / name).rglob("*") if p.is_file()}

@@ -46,7 +46,7 @@ from ray_checkfreq.engine.persist import PersistResult
 from ray_checkfreq.engine.planner import Planner
 from ray_checkfreq.engine.policy import Decision, Profile
 from ray_checkfreq.engine.profile_cache import PROFILE_NAME, ProfileCache
-from ray_checkfreq.engine.restore import exact_checkpoints, newest_state
+from ray_checkfreq.engine.restore import exact_checkpoints
 from ray_checkfreq.engine.rng import set_own_rng
 from ray_checkfreq.engine.seams import EngineSeams, LocalDecisions, set_local_rng_state
 from ray_checkfreq.engine.snapshot import Snapshotter, tensors_in
@@ -196,7 +196,7 @@ class CheckFreq:
         if not self.store.list():
             self._begin(0)
             return 0
-        iteration = self.apply_state(newest_state(self.store))
+        iteration = self.apply_state(self.store.load())
         logger.info("restored iteration %d from %s", iteration, self.store.uri)
         return iteration
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ray_checkfreq.errors import CheckFreqError, CorruptCheckpointError
+from ray_checkfreq.errors import CheckFreqError
 from ray_checkfreq.storage.store import CheckpointRef, CheckpointStore
 
 logger = logging.getLogger("ray_checkfreq.engine")
@@ -90,22 +90,6 @@ def exact_checkpoints(store: CheckpointStore, step: int | None = None) -> list[C
     (never a near-lossless history copy); only those of ``step`` when given (only their
     manifests are read)."""
     return [ref for ref in store.list(step=step) if not ref.trimmed]
-
-
-def newest_state(store: CheckpointStore) -> dict:
-    """The newest exact checkpoint's state for a plain model: a sharded one (the run was
-    sharded before) gathered whole. Falls back past corrupt checkpoints; raises if there
-    are checkpoints but none loads, rather than silently starting over."""
-    for ref in reversed(store.list()):
-        if ref.placement == "replicated":
-            break  # from here on ``load()`` falls back by itself
-        if ref.trimmed:
-            continue
-        try:
-            return store.load(ref)
-        except CorruptCheckpointError as err:
-            logger.warning("sharded checkpoint %s does not load: %s", ref.uri, err)
-    return store.load()
 
 
 # ------------------------------------------------------------------ optimizer keys

@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig
-from ray_checkfreq.engine.restore import newest_state
 from ray_checkfreq.ray.unplaced import end_unplaced_replacements
 from ray_checkfreq.storage import CheckpointStore
 
@@ -201,7 +200,7 @@ class InPlaceReplica:
             return 0
         loader = self._engine()
         try:
-            step = loader.apply_state(newest_state(loader.store))
+            step = loader.apply_state(loader.store.load())
         finally:
             loader.close()
         if step != self.steps.step or step != self.manager.current_step():

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from ray_checkfreq.engine.restore import exact_checkpoints, newest_state
+from ray_checkfreq.engine.restore import exact_checkpoints
 from ray_checkfreq.ray import agent as agents
 from ray_checkfreq.ray import slots
 from ray_checkfreq.ray.preemption import NOTICES_NAME, lost_after_notice, write_notice_record
@@ -232,7 +232,7 @@ class RestartProtocol:
                 ok = False
         fell_back = False
         if not broadcast_json(ok, src=source, rank=self.rank, group=self.group):
-            source, state = 0, (newest_state(self.store) if self.rank == 0 else None)
+            source, state = 0, (self.store.load() if self.rank == 0 else None)
             fell_back = True
         return broadcast_state(state, src=source, rank=self.rank, world_size=self.world_size,
                                group=self.group), fell_back
@@ -311,7 +311,7 @@ def newest_exact(store: CheckpointStore) -> CheckpointRef | None:
 def read_source(choice: RestoreChoice, *, store: CheckpointStore, run: str) -> dict:
     """The chosen state, read on this rank (a slot of its node, or sent by the slot's agent)."""
     if choice.kind == "storage":
-        return newest_state(store)
+        return store.load()
     assert choice.path is not None and choice.seq is not None
     if choice.via_agent:
         holder = agents.live_agents(run).get(choice.node_id or "")

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray_checkfreq.errors import CorruptCheckpointError
 from ray_checkfreq.storage.arrays import leaf_spec
 from ray_checkfreq.storage.backends.base import Backend
 from ray_checkfreq.storage.backends.direct import BLOCK, leaf_start
@@ -106,3 +107,23 @@ def pack(chunks: Sequence[ChunkSource], file_bytes: int) -> list[list[ChunkSourc
         groups[-1].append(chunk)
         size = leaf_start(size, nbytes, ALIGN_BYTES) + nbytes
     return groups
+
+
+def check_padding(data: Any, file: PartFile, chunks: Sequence[ChunkRecord], where: str) -> None:
+    """A data file holds what its writer wrote around its chunks: the length its part
+    records, and zeros wherever no chunk is (the alignment padding); CorruptCheckpointError
+    naming ``where`` if not. The chunks' own bytes are checked by their CRC blocks."""
+    view = memoryview(data).cast("B")
+    if len(view) != file.size_bytes:
+        raise CorruptCheckpointError(where, f"{len(view)} bytes, its part records {file.size_bytes}")
+    position = 0
+    for chunk in sorted(chunks, key=lambda c: c.offset):
+        _zeros(view, position, chunk.offset, where)
+        position = chunk.offset + chunk.length
+    _zeros(view, position, len(view), where)
+
+
+def _zeros(view: memoryview, start: int, end: int, where: str) -> None:
+    gap = bytes(view[start:end])
+    if gap.count(0) != len(gap):
+        raise CorruptCheckpointError(where, f"bytes {start}-{end} are alignment padding but not zeros")

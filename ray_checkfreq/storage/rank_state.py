@@ -44,8 +44,12 @@ def gathered_state(reader: BoxReader, where: str) -> dict[str, Any]:
     """The whole state of a sharded checkpoint in this process, as ``CheckpointStore.load``
     gives a replica's: every model and optimizer tensor gathered whole (ranged reads of its
     chunks), RNG, extra and data state as rank 0 saved them. It holds the whole state in
-    memory."""
-    tree, keys, _ = parse_rank_skeleton(reader.skeletons([0])[0], where)
+    memory. A checkpoint that ``save_part`` wrote with skeletons of the caller's own (not
+    the engine's) comes as saved: ``{"tensors": {key: whole tensor}, "skeletons": {rank: ...}}``."""
+    document = reader.skeletons([0])[0]
+    if not isinstance(document, Mapping) or "format" not in document:
+        return _as_saved(reader)
+    tree, keys, _ = parse_rank_skeleton(document, where)
     wanted: dict[str, list[Box]] = {}
     for key in dict.fromkeys(keys):
         tensor = reader.manifest.tensor(key)
@@ -57,3 +61,9 @@ def gathered_state(reader: BoxReader, where: str) -> dict[str, Any]:
         return unflatten_state(tree, [loaded[key][0] for key in keys])
     except SkeletonError as err:
         raise CorruptCheckpointError(where, f"skeleton: {err}") from None
+
+
+def _as_saved(reader: BoxReader) -> dict[str, Any]:
+    """Every tensor whole under its key, and each rank's skeleton as its part holds it."""
+    loaded = reader.load_boxes({t.key: [whole(t.global_shape)] for t in reader.manifest.tensors})
+    return {"tensors": {key: boxes[0] for key, boxes in loaded.items()}, "skeletons": reader.skeletons()}

@@ -64,9 +64,9 @@ from ray_checkfreq.storage.manifest import (
     PartManifest,
 )
 from ray_checkfreq.storage.names import MAX_STEP, checkpoint_dir_name
-from ray_checkfreq.storage.part_files import ChunkSource, PartLayout
+from ray_checkfreq.storage.part_files import ChunkSource, PartLayout, check_padding
 from ray_checkfreq.storage.part_writer import PartContent, PartWriter, part_content
-from ray_checkfreq.storage.rank_state import gathered_state
+from ray_checkfreq.storage.rank_state import gathered_state, parse_rank_skeleton
 from ray_checkfreq.storage.reader import BoxReader
 from ray_checkfreq.storage.retention import StoredEntry, protected_steps_now
 from ray_checkfreq.storage.stored_json import StoredJsonError, parse_stored_json
@@ -418,8 +418,8 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
     def load(self, ref_or_step: CheckpointRef | int | None = None) -> dict:
-        """The state of a checkpoint; ``None`` = newest valid replicated one, falling back
-        past faults.
+        """The state of a checkpoint; ``None`` = the newest valid exact one of either
+        placement, falling back past faults (a trimmed history copy only by ref or step).
 
         Every byte is checked against the manifest's checksums as it is read; a
         checkpoint asked for by ref or step is not substituted when it is corrupt. A
@@ -446,18 +446,28 @@ class CheckpointStore:
     def verify(self, ref_or_step: CheckpointRef | int) -> None:
         """Raise CorruptCheckpointError naming the file unless every byte checks out and
         the checkpoint loads (what ``load()`` accepts, and every stored checksum too). A
-        sharded checkpoint is read one data file at a time, every rank's skeleton checked."""
+        sharded checkpoint is read one data file at a time, every rank's skeleton checked.
+        Every data file (formats 3-4) is read whole once more: its length as its part
+        records it, and its alignment padding all zeros."""
         ref = self._catalog.find(ref_or_step)
         if ref.placement == "replicated":
             self._read(ref, check_stored=True)
-            return
-        reader = self.reader(ref, verify=True)
-        reader.skeletons()
+            if isinstance(self._catalog.load_manifest(ref.name), Manifest):
+                return  # formats 1-2: one blob per tensor, no padding
+        reader = self.reader(ref, verify=ref.placement != "replicated")
         by_file: dict[str, builtins.list[Any]] = {}
         for chunk in (c for t in reader.manifest.tensors for c in t.chunks):
             by_file.setdefault(chunk.file, []).append(chunk)
-        for chunks in by_file.values():
-            reader.read_whole_chunks(chunks, 1)
+        if ref.placement != "replicated":
+            for rank, skeleton in reader.skeletons().items():
+                if isinstance(skeleton, Mapping) and "format" in skeleton:  # the engine's (else the caller's own)
+                    parse_rank_skeleton(skeleton, f"{ref.uri} (rank {rank}'s skeleton)")
+            for chunks in by_file.values():
+                reader.read_whole_chunks(chunks, 1)
+        for entry in reader.manifest.parts:
+            for file in entry.files:
+                path = f"{ref.name}/{file.name}"
+                check_padding(self.backend.read(path), file, by_file.get(file.name, []), self.backend.uri(path))
 
     def reader(self, ref_or_step: CheckpointRef | int, *, verify: bool = False) -> BoxReader:
         """A ranged reader of one checkpoint of format 3 or 4, any placement: boxes of its
@@ -525,9 +535,9 @@ def _withdraw_if_fenced(writer: PartWriter, err: Exception, check: Callable[[], 
 
 
 def _newest_whole_first(refs: builtins.list[CheckpointRef]) -> builtins.list[CheckpointRef]:
-    """What a resume may ``load()``, newest first: exact replicated checkpoints (never a
-    trimmed copy)."""
-    return [ref for ref in reversed(refs) if not ref.trimmed and ref.placement == "replicated"]
+    """What a resume may ``load()``, newest first: exact checkpoints of either placement, a
+    sharded one gathered whole (never a trimmed copy)."""
+    return [ref for ref in reversed(refs) if not ref.trimmed]
 
 
 def _still_listed(backend: Backend, name: str) -> bool:
