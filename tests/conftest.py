@@ -203,6 +203,10 @@ TIERS = {
 TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
 
 
+_SELECTED = pytest.StashKey[set]()
+_config = None
+
+
 def tier_of(item) -> str:
     if item.get_closest_marker("chaos") is not None:
         return "chaos"
@@ -212,14 +216,40 @@ def tier_of(item) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier_of(item))
+    # Tests that compare wall-clock times run first, on a machine the early children do not load yet.
+    items.sort(key=lambda item: item.get_closest_marker("quiet") is None)
+
+
+_quiet_left: set[str] = set()
 
 
 def pytest_collection_finish(session):
-    """The selected long tests with a child of their own start it now (tests/early_children.py)."""
+    """The selected long tests with a child of their own start it now (tests/early_children.py),
+    or once the ``quiet`` tests are done."""
+    if session.config.option.collectonly:
+        return
+    _quiet_left.update(item.nodeid for item in session.items if item.get_closest_marker("quiet"))
+    session.config.stash[_SELECTED] = {item.nodeid for item in session.items}
+    if not _quiet_left:
+        _start_early_children(session.config)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if nodeid in _quiet_left:
+        _quiet_left.discard(nodeid)
+        if not _quiet_left:
+            _start_early_children(_config)
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def _start_early_children(config) -> None:
     import early_children
 
-    if not session.config.option.collectonly:
-        early_children.start_selected({item.nodeid for item in session.items})
+    early_children.start_selected(config.stash[_SELECTED])
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -279,6 +279,7 @@ def _slowed_pair(tmp_path, index: int) -> tuple[float, float]:
     return with_checkpoints / without - 1, measured
 
 
+@pytest.mark.quiet
 def test_the_measured_overhead_is_the_wall_clock_difference(tmp_path):
     pairs = [_slowed_pair(tmp_path, i) for i in range(5)]  # the median outlasts two load spikes
     gaps = [abs(measured - truth) for truth, measured in pairs]
@@ -307,8 +308,11 @@ def _train_until(cf, model, opt, done, seconds: float) -> None:
         _loop(model, opt, cf, 50, sleep_s=0.002, python_work=5)
 
 
+@pytest.mark.quiet
 def test_a_cpu_hog_mid_run_raises_k_and_k_falls_after(tmp_path):
-    """Bounded: at most ~45 s; each phase ends as soon as k moved."""
+    """Bounded: at most ~65 s; each phase ends as soon as k moved. The fall gets 40 s: the
+    adaptive rate lowers k only after windows measured without the hog, and on a quiet
+    machine k stayed at its peak through a 20 s fall phase."""
     model, opt = _model()
     cf = CheckFreq(model=model, optimizer=opt, storage=WorkStore(str(tmp_path), codec="raw"),
                    overhead=0.05, profile_iters=10)
@@ -330,7 +334,7 @@ def test_a_cpu_hog_mid_run_raises_k_and_k_falls_after(tmp_path):
         peak[0] = max(peak[0], cf.applied_k)
         return cf.applied_k < peak[0]
 
-    _train_until(cf, model, opt, fell, 20)
+    _train_until(cf, model, opt, fell, 40)
     history = cf.stats()["k_history"]
     cf.close()
     assert during > before, history
