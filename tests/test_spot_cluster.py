@@ -137,14 +137,15 @@ def spot_e2e(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                 trained_from = preempt_twice(cluster, timeline, job)
             except AssertionError as failed:
                 raise AssertionError(f"{failed}\n{notice_report(directory)}") from None
-            wait_until(lambda: timeline.of("done"), 150, "the job's last iteration", job, timeline)
+            wait_until(lambda: timeline.of("done"), 300, "the job's last iteration", job, timeline)
             # The reference: an uninterrupted run of the same job on 2 workers throughout (fixed:
             # it must not start on the first node freed), submitted now so that it takes the
             # two nodes over as this job ends (before their idle timeout).
             reference = submit(cluster, f"{run}-reference", "--workers", str(WORKERS))
             job.wait(timeout=120)
             timeline.mark("job_end", job=run, returncode=job.returncode)
-            reference_output, _ = reference.communicate(timeout=240)
+            # Its whole job on 2 workers: over 240 s beside a loaded suite (load 20-45).
+            reference_output, _ = reference.communicate(timeout=480)
         finally:
             for child in (job, reference):
                 if child is not None and child.poll() is None:
