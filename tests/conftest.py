@@ -201,7 +201,7 @@ TIERS = {
     "chaos": (
         "test_chaos_kill_loop.py", "test_chaos_run.py", "test_crash_consistency.py", "test_ray_policy.py",
         "test_ray_train.py", "test_ray_sharded.py", "test_chaos_sharded_kills.py", "test_ray_inplace.py",
-        "test_ray_inplace_unplaced.py", "test_commit_sim.py", "test_spot_cluster.py",
+        "test_ray_inplace_unplaced.py", "test_ray_inplace_notice.py", "test_commit_sim.py", "test_spot_cluster.py",
     ),
     "tooling": (
         "test_layers.py", "test_docs.py", "test_tiers.py", "test_benchmarks.py", "test_bench_all.py",

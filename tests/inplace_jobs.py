@@ -65,7 +65,8 @@ def train(config: dict) -> None:
     x, y = dataset(config["samples"])
     model, optimizer = model_and_optimizer()
     steps = quorum_steps(config)
-    replacement = os.path.exists(os.path.join(work_dir, "fault-kill"))
+    # A replacement (of a killed or drained replica): its world rank has logged before.
+    replacement = os.path.exists(os.path.join(work_dir, f"log-{world_rank}.jsonl"))
     replica = InPlaceReplica(model=model, optimizer=optimizer, steps=steps,
                              config=InPlaceConfig(timeout_s=config.get("timeout_s", 30.0),
                                                   replacement_wait_s=config.get("replacement_wait_s", 30.0)),

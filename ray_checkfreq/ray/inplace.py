@@ -13,6 +13,7 @@ In Ray 2.60 a replica group is one worker, so this mode is for replicated (DDP) 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_checkfreq.data.quorum import QuorumShare, QuorumSteps
 from ray_checkfreq.engine import CheckFreq, CheckFreqConfig
+from ray_checkfreq.ray.preemption import DrainWatcher, Notice
 from ray_checkfreq.ray.unplaced import end_unplaced_replacements
 from ray_checkfreq.storage import CheckpointStore
 
@@ -44,6 +46,8 @@ class InPlaceConfig:
     quorum_tick_ms: int = 100
     timeout_s: float = 30.0
     """Collectives, commits and the healing transfer: a loaded node re-forms its gloo group in seconds."""
+    notice_poll_s: float = 0.5
+    """How often each replica polls the drain state of its own node (a preemption notice)."""
     replacement_wait_s: float = 30.0
     """How long a replica whose work has ended waits for a lost replica's replacement that
     Ray cannot place (no node); then it ends it, so that ``fit()`` returns (it raises
@@ -54,7 +58,7 @@ class InPlaceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"InPlaceConfig.{name} must be an integer >= 1, got {value!r}")
-        for name in ("timeout_s", "replacement_wait_s"):
+        for name in ("timeout_s", "notice_poll_s", "replacement_wait_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"InPlaceConfig.{name} must be > 0 seconds, got {value!r}")
@@ -126,6 +130,7 @@ class InPlaceReplica:
         self.storage, self.checkpoint = storage, checkpoint or CheckFreqConfig()
         self._writer: CheckFreq | None = None
         self._led_last_step = False  # rank 0 of the last committed step's quorum
+        self._shut_down = False
         timeout = timedelta(seconds=self.config.timeout_s)
         group = ProcessGroupGloo(timeout=timeout)
         self.replica_rank = ray.train.get_context().get_world_rank()
@@ -142,10 +147,14 @@ class InPlaceReplica:
             self.manager.register_state_dict_fn(f"extra/{name}", holder.load_state_dict, holder.state_dict)
         self.model = DistributedDataParallel(self.manager, model)
         self.start_step = self._restore()
+        # Ray Train's preemption watcher is off in this mode (Ray 2.60): each replica watches its own node.
+        self._drain = DrainWatcher({ray.get_runtime_context().get_node_id()}, poll_s=self.config.notice_poll_s)
 
     def next_share(self) -> QuorumShare:
         """Join this step's quorum (healing first if behind) and return this replica's share
         of the next uncommitted step's global batch."""
+        if self._drain.notice is not None:
+            self._leave(self._drain.notice)
         self.optimizer.zero_grad()
         self.manager.start_quorum()
         rank, size = self.manager.participating_rank(), self.manager.num_participants()
@@ -175,17 +184,36 @@ class InPlaceReplica:
         """Whether this replica writes the checkpoints now (rank 0 of the last committed step's quorum)."""
         return self._writer is not None
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, end_unplaced: bool = True) -> None:
         """Make the writer's last checkpoint durable, then end the manager (a replica that
         returns while another is healing must not leave it waiting). The last step's rank 0
         then ends a replacement that Ray could not place within ``replacement_wait_s``."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._drain.close()
         try:
             if self._writer is not None:
                 self._writer.close()
         finally:
             self.manager.shutdown(wait=False)
-        if self._led_last_step:  # one replica, once its checkpoint is durable
+        if end_unplaced and self._led_last_step:  # one replica, once its checkpoint is durable
             end_unplaced_replacements(self.config.replacement_wait_s)
+
+    def _leave(self, notice: Notice) -> None:
+        """This replica's node is draining: leave the quorum at this step boundary (no step
+        is aborted; the writer's checkpoint becomes durable first), then wait for the node to
+        go, so that Ray places the replacement on another node. A node still up
+        ``replacement_wait_s`` after its deadline: raise, and Ray replaces this replica."""
+        logger.warning("in-place replica %d leaves the quorum after step %d: its node %s is draining",
+                       self.replica_rank, self.steps.step, notice.node_id[:8])
+        self.shutdown(end_unplaced=False)
+        until = (notice.deadline_s or time.time()) + self.config.replacement_wait_s
+        while time.time() < until:
+            time.sleep(0.5)
+        raise RuntimeError(f"in-place replica {self.replica_rank} left the quorum on a drain notice for node "
+                           f"{notice.node_id}, which still runs {self.config.replacement_wait_s:g} s after its "
+                           "deadline: this replica fails so that Ray replaces it")
 
     # ------------------------------------------------------------ checkpoints
     def _engine(self) -> CheckFreq:
