@@ -12,7 +12,7 @@ from ray_checkfreq.ray.inplace import InPlaceConfig
 from ray_checkfreq.ray.unplaced import TRAIN_WORKER_CLASS, end_actor, unplaced_train_workers
 
 
-@pytest.mark.parametrize("field", ["timeout_s", "replacement_wait_s"])
+@pytest.mark.parametrize("field", ["timeout_s", "notice_poll_s", "replacement_wait_s"])
 @pytest.mark.parametrize("value", [0, -1.0, True, "5"])
 def test_the_config_refuses_a_duration_that_is_not_positive(field, value):
     with pytest.raises(ValueError, match=f"InPlaceConfig.{field} must be > 0 seconds, got {value!r}"):
