@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py ray_checkfreq/codec/_kernels.c Makefile
 	touch $(STAMP)
 
 test: lint
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ray_checkfreq benchmarks tools tests examples
