@@ -73,13 +73,16 @@ def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_on_another_
     marks: dict = {}
     with own_cluster(REPLICAS + 1) as cluster:
         announcer = notice_then_remove(cluster, work_dir, marks)
-        fit_job(TrainJob(train=inplace_jobs.train, config=config, workers=REPLICAS,
-                         resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1}, name=f"notice-{uuid.uuid4().hex[:6]}",
-                         storage_path=work_dir + "/results", max_failures=2, timeout_s=RUN_TIMEOUT_S,
-                         in_place=InPlaceConfig()))
+        outcome = fit_job(TrainJob(train=inplace_jobs.train, config=config, workers=REPLICAS,
+                                   resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1},
+                                   name=f"notice-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results",
+                                   max_failures=2, timeout_s=RUN_TIMEOUT_S, in_place=InPlaceConfig()),
+                          raise_errors=False)
         announcer.join(timeout=1)
     assert "removed_t" in marks, f"the notice was never sent: {marks}"
     events = read_events(work_dir)
+    inplace_jobs.xfail_on_ray_node_race(outcome, survivors_ended=any(e["event"] == "end" for e in events))
+    assert not isinstance(outcome, Exception), f"fit() failed: {outcome!r}"
     starts = [e for e in events if e["event"] == "start"]
     (victim,) = {e["pid"] for e in starts if e["node"] == marks["node"]}
     victim_events = [e for e in events if e["pid"] == victim]

@@ -77,14 +77,18 @@ def test_a_replacement_that_never_comes_leaves_the_survivors_training_and_fit_re
     assert not isinstance(outcome, TimeoutError), f"fit() did not return: {outcome}"
     events = read_events(work_dir)
     ends = [e for e in events if e["event"] == "end"]
+    inplace_jobs.xfail_on_ray_node_race(outcome, survivors_ended=bool(ends))
     last = inplace_jobs.quorum_steps(CONFIG).steps_per_epoch * config["max_epochs"]
     # The two survivors trained on, in a quorum of two, to the end of the work; nobody else started.
     assert sorted(e["world_rank"] for e in ends) == list(range(REPLICAS - 1)) and {e["step"] for e in ends} == {last}, \
         f"ends {ends}; fit() gave {outcome!r}"
     assert isinstance(outcome, ControllerError), f"fit() gave {outcome!r}"
     assert len([e for e in events if e["event"] == "start"]) == REPLICAS
-    after = [e for e in events if e["event"] == "commit" and e["t"] > removed[0][1] + 5]
-    assert after and {e["size"] for e in after} == {REPLICAS - 1}
+    # Every step after the lost replica's last commit committed in a quorum of two (on a quiet
+    # machine the survivors finish the epoch within seconds of the loss).
+    lost_last = max(e["step"] for e in events if e["event"] == "commit" and e["world_rank"] == REPLICAS - 1)
+    after = [e for e in events if e["event"] == "commit" and e["step"] > lost_last + 1]
+    assert len({e["step"] for e in after}) >= 10 and {e["size"] for e in after} == {REPLICAS - 1}, after[:4]
     assert_every_step_whole(events, 0, last)
     waited = returned - max(e["t"] for e in ends)
     print(f"fit() returned {waited:.1f} s after the survivors' work ended "
