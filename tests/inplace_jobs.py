@@ -120,7 +120,7 @@ def xfail_on_ray_node_race(outcome: Any, *, survivors_ended: bool) -> None:
     """Ray 2.60's controller sometimes fails the whole run when a replica's node dies in
     torchft mode, with a ``ControllerError`` from a call on the dead worker outside the paths
     that replace it ("The actor died because its node has died", or "The actor ... is
-    unavailable: ... Connection refused"; 3 of 8 node-loss runs here, not root-caused). Our
+    unavailable: ... Connection refused"; 4 of 8 node-loss runs here, not root-caused). Our
     code raises a ControllerError only after the survivors' work ended. Not ours to fix
     here; shown as xfail, never as a pass."""
     import pytest
