@@ -17,6 +17,8 @@ import collections
 import glob
 import json
 import os
+import threading
+import time
 import uuid
 
 import inplace_jobs  # tests/ is on sys.path
@@ -44,6 +46,35 @@ def read_events(work_dir: str) -> list[dict]:
         with open(path) as lines:
             found += [dict(event, world_rank=world_rank) for event in map(json.loads, lines)]
     return sorted(found, key=lambda e: e["t"])
+
+
+def when_all_trained(work_dir: str, world_rank: int, then, *, full_steps: int = 5,
+                     timeout_s: float = RUN_TIMEOUT_S) -> threading.Thread:
+    """A thread that calls ``then(node)`` with ``world_rank``'s node once every replica
+    committed ``full_steps`` steps together (the worker group fully started)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                events = read_events(work_dir)
+            except ValueError:  # a line being written
+                continue
+            starts = [e for e in events if e["event"] == "start" and e["world_rank"] == world_rank]
+            full = [e for e in events if e["event"] == "commit" and e["size"] == REPLICAS and e["world_rank"] == 0]
+            if starts and len(full) >= full_steps:
+                then(starts[0]["node"])
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def remove_node(cluster, node: str) -> None:
+    """The node whole: its raylet and processes SIGKILLed."""
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node), allow_graceful=False)
 
 
 def committed_shares(events: list[dict], end_step: int, first: int = 0) -> dict[int, list[dict]]:

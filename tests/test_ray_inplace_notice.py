@@ -10,7 +10,6 @@ once the three trained together a few steps, and removed whole at that deadline.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -26,6 +25,8 @@ from test_ray_inplace import (
     assert_weights,
     end_step,
     read_events,
+    remove_node,
+    when_all_trained,
 )
 from test_ray_train import drain
 
@@ -33,35 +34,15 @@ pytestmark = pytest.mark.chaos
 
 NOTICE_S = 8.0
 VICTIM = 1  # world rank: neither the first writer nor the last rank
-FULL_STEPS_FIRST = 5
 
 
-def notice_then_remove(cluster, work_dir: str, marks: dict) -> threading.Thread:
-    """Once every replica committed ``FULL_STEPS_FIRST`` steps together: drain the victim's
-    node (deadline ``NOTICE_S``), then remove it whole at the deadline."""
-
-    def run() -> None:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                events = read_events(work_dir)
-            except ValueError:  # a line being written
-                continue
-            full = [e for e in events if e["event"] == "commit" and e["size"] == REPLICAS and e["world_rank"] == 0]
-            starts = [e for e in events if e["event"] == "start" and e["world_rank"] == VICTIM]
-            if starts and len(full) >= FULL_STEPS_FIRST:
-                node = starts[0]["node"]
-                marks["node"], marks["notice_t"] = node, time.time()
-                drain(cluster, node, time.time() + NOTICE_S)
-                time.sleep(max(0.0, marks["notice_t"] + NOTICE_S - time.time()))
-                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node), allow_graceful=False)
-                marks["removed_t"] = time.time()
-                return
-            time.sleep(0.1)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+def notice_then_remove(cluster, node: str, marks: dict) -> None:
+    """Drain ``node`` (deadline ``NOTICE_S``), then remove it whole at the deadline."""
+    marks["node"], marks["notice_t"] = node, time.time()
+    drain(cluster, node, time.time() + NOTICE_S)
+    time.sleep(max(0.0, marks["notice_t"] + NOTICE_S - time.time()))
+    remove_node(cluster, node)
+    marks["removed_t"] = time.time()
 
 
 def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_on_another_node(ray_session, tmp_path):
@@ -72,7 +53,7 @@ def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_on_another_
     config = {**CONFIG, "kill_step": None, "work_dir": work_dir, "storage": str(tmp_path / "checkpoints")}
     marks: dict = {}
     with own_cluster(REPLICAS + 1) as cluster:
-        announcer = notice_then_remove(cluster, work_dir, marks)
+        announcer = when_all_trained(work_dir, VICTIM, lambda node: notice_then_remove(cluster, node, marks))
         outcome = fit_job(TrainJob(train=inplace_jobs.train, config=config, workers=REPLICAS,
                                    resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1},
                                    name=f"notice-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results",

@@ -9,48 +9,21 @@ A cluster of this module's own (it removes a node; conftest's ``own_cluster``).
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import inplace_jobs  # tests/ is on sys.path
 import pytest
 from conftest import TRAIN_RESOURCE, own_cluster
-from test_ray_inplace import CONFIG, REPLICAS, assert_every_step_whole, read_events
+from test_ray_inplace import CONFIG, REPLICAS, assert_every_step_whole, read_events, remove_node, when_all_trained
 
 pytestmark = pytest.mark.chaos
 
-FULL_STEPS_FIRST = 5  # the three train together this many steps before the loss (one may start late)
 REPLACEMENT_WAIT_S = 2.0
 # fit() ends within this of the survivors' end: the wait above, the controller's next
 # replacement try (it fails at once) and its shutdown; a hang is cut at the job's timeout.
 RETURN_LIMIT_S = 60.0
 JOB_TIMEOUT_S = 300.0
-
-
-def remove_node_when_full(cluster, work_dir: str, world_rank: int, removed: list) -> threading.Thread:
-    """Remove ``world_rank``'s node whole (its raylet and processes SIGKILLed) once every
-    replica committed ``FULL_STEPS_FIRST`` steps together (the worker group fully started)."""
-
-    def watch() -> None:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                events = read_events(work_dir)
-            except ValueError:  # a line being written
-                continue
-            starts = [e for e in events if e["event"] == "start" and e["world_rank"] == world_rank]
-            full = [e for e in events if e["event"] == "commit" and e["size"] == REPLICAS and e["world_rank"] == 0]
-            if starts and len(full) >= FULL_STEPS_FIRST:
-                node = starts[0]["node"]
-                cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node), allow_graceful=False)
-                removed.append((node, time.time()))
-                return
-            time.sleep(0.1)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_a_replacement_that_never_comes_leaves_the_survivors_training_and_fit_returns(ray_session, tmp_path):
@@ -64,7 +37,11 @@ def test_a_replacement_that_never_comes_leaves_the_survivors_training_and_fit_re
               "replacement_wait_s": REPLACEMENT_WAIT_S, "work_dir": work_dir}
     removed: list = []
     with own_cluster(REPLICAS) as cluster:
-        remover = remove_node_when_full(cluster, work_dir, REPLICAS - 1, removed)
+        def lose(node: str) -> None:
+            remove_node(cluster, node)
+            removed.append((node, time.time()))
+
+        remover = when_all_trained(work_dir, REPLICAS - 1, lose, timeout_s=JOB_TIMEOUT_S)
         outcome = fit_job(TrainJob(train=inplace_jobs.train, config=config, workers=REPLICAS,
                                    resources_per_worker={"CPU": 1, TRAIN_RESOURCE: 1},
                                    name=f"unplaced-{uuid.uuid4().hex[:6]}", storage_path=work_dir + "/results",
